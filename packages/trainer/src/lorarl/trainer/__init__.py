@@ -1,0 +1,1 @@
+"""Thin GRPO-family LoRA trainer composing lorarl's packages."""
