@@ -1,1 +1,5 @@
-"""Fused out-of-place LoRA merge and layered merged-weight streaming (see issue 3)."""
+"""Fused out-of-place LoRA merge (`W + s·B@A` at memory speed) and layered merged-weight streaming from peft models."""
+
+from lorarl.lora_merge.merge import BACKENDS, available_backends, merge_lora, merge_lora_
+
+__all__ = ["BACKENDS", "available_backends", "merge_lora", "merge_lora_"]
