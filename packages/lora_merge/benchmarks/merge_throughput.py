@@ -1,0 +1,197 @@
+"""Merge throughput: one JSON object per case, every ratio against baselines measured in the same run.
+
+Per layer case (shape, rank, dtype, backend):
+  seconds            median time of `merge_lora(W, A, B, s, out=out)`
+  gbps               (bytes of W read + bytes of out written) / seconds
+  ratio_to_copy      copy time / merge time, copy = `out.copy_(W)` on the same tensors: the memory-bandwidth bound
+  ratio_to_roofline  roofline / merge time, roofline = max(copy time, 2·r·out·in / GEMM rate), the GEMM rate being
+                     `torch.mm` on 2048² matrices in the dtype the kernel computes in (fp32 here)
+  speedup_vs_peft    peft's merge of the same layer (a real peft LoRA Linear: `get_delta_weight` + add) / merge time
+The merge, the copy, peft and the GEMM are timed in turn, repetition after repetition, so drift of a noisy machine
+hits all of them alike; medians are reported.
+
+Whole-model case: stream every merged weight of a random Qwen2-0.5B-shaped bf16 model through `iter_merged_weights`
+vs peft's `merge_adapter()` + `unmerge_adapter()` (what peers do before each weight sync).
+
+    uv run python packages/lora_merge/benchmarks/merge_throughput.py [--quick]
+"""
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lorarl.lora_merge import available_backends, iter_merged_weights, merge_lora
+
+SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192)]
+QUICK_SHAPES = [(4096, 4096), (4096, 11008)]
+RANKS = [8, 32, 128]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], device: torch.device, min_seconds: float, min_reps: int
+) -> dict[str, float]:
+    """Median seconds of each function. Every repetition runs each function twice in a row and times the second
+    call: each sees its own steady state (not the caches another left behind), and slow drift of the machine still
+    hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    started = time.perf_counter()
+    while len(times[next(iter(fns))]) < min_reps or time.perf_counter() - started < min_seconds:
+        for name, fn in fns.items():
+            fn()
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peft_layer(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, alpha: int) -> nn.Module:
+    """A real peft LoRA Linear around `weight`, with the given factors (fp32, as peft keeps adapters)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear
+
+    base = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    base.weight = nn.Parameter(weight, requires_grad=False)
+    config = LoraConfig(r=lora_A.shape[0], lora_alpha=alpha)
+    layer = Linear(base, "default", r=lora_A.shape[0], lora_alpha=alpha, config=config)
+    layer.lora_A["default"].weight = nn.Parameter(lora_A)
+    layer.lora_B["default"].weight = nn.Parameter(lora_B)
+    return layer
+
+
+def peft_merge(layer: nn.Module, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """peft's merge of one layer, out of place: its own `get_delta_weight` (full-size fp32 temporaries), then add."""
+    torch.add(weight, layer.get_delta_weight("default"), out=out)
+
+
+def layer_cases(args: argparse.Namespace, device: torch.device):
+    gemm_a = torch.randn(2048, 2048, device=device)
+    gemm_b = torch.randn(2048, 2048, device=device)
+    gemm_out = torch.empty(2048, 2048, device=device)
+    backends = [b for b in available_backends(device) if b != "triton" or device.type == "cuda"]
+    for shape in QUICK_SHAPES if args.quick else SHAPES:
+        for dtype_name, dtype in DTYPES.items():
+            weight = torch.randn(shape, device=device).to(dtype)
+            out = torch.empty_like(weight)
+            for rank in RANKS:
+                lora_A = torch.randn(rank, shape[1], device=device) / rank**0.5
+                lora_B = torch.randn(shape[0], rank, device=device) * 0.01
+                alpha = 2 * rank
+                scale = alpha / rank
+                with torch.no_grad():
+                    layer = peft_layer(weight, lora_A, lora_B, alpha)
+                for backend in backends:
+                    fns = {
+                        "merge": functools.partial(merge_lora, weight, lora_A, lora_B, scale, out=out, backend=backend),
+                        "copy": functools.partial(out.copy_, weight),
+                        "peft": functools.partial(peft_merge, layer, weight, out),
+                        "gemm": functools.partial(torch.mm, gemm_a, gemm_b, out=gemm_out),
+                    }
+                    with torch.no_grad():
+                        t = interleaved(fns, device, args.min_seconds, args.min_reps)
+                    gemm_rate = 2 * 2048**3 / t["gemm"]
+                    roofline = max(t["copy"], 2 * rank * shape[0] * shape[1] / gemm_rate)
+                    moved = weight.numel() * (weight.element_size() + out.element_size())
+                    yield {
+                        "case": "layer",
+                        "backend": backend,
+                        "shape": list(shape),
+                        "rank": rank,
+                        "dtype": dtype_name,
+                        "factor_dtype": "fp32",
+                        "seconds": t["merge"],
+                        "gbps": moved / t["merge"] / 1e9,
+                        "ratio_to_copy": t["copy"] / t["merge"],
+                        "ratio_to_roofline": roofline / t["merge"],
+                        "speedup_vs_peft": t["peft"] / t["merge"],
+                        "copy_seconds": t["copy"],
+                        "peft_seconds": t["peft"],
+                        "gemm_gflops": gemm_rate / 1e9,
+                    }
+
+
+def qwen2_half_b(device: torch.device) -> nn.Module:
+    """A random Qwen2.5-0.5B-shaped model in bf16 (494M parameters), built without HF's slow weight init."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    model.tie_weights()  # to_empty gave the tied lm_head a storage of its own
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model
+
+
+def model_case(args: argparse.Namespace, device: torch.device, rank: int = 32):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        qwen2_half_b(device),
+        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False),
+    )
+    parameters = sum(p.numel() for p in model.get_base_model().parameters() if not p.requires_grad)
+
+    def stream() -> None:
+        for _ in iter_merged_weights(model):
+            pass
+
+    def peft_merge_unmerge() -> None:
+        model.merge_adapter()
+        model.unmerge_adapter()
+
+    with torch.no_grad():
+        t = interleaved({"stream": stream, "peft": peft_merge_unmerge}, device, args.min_seconds, min(args.min_reps, 3))
+    yield {
+        "case": "model",
+        "model": "qwen2-0.5b-shaped",
+        "parameters": parameters,
+        "rank": rank,
+        "dtype": "bf16",
+        "target_modules": "all-linear",
+        "seconds": t["stream"],
+        "peft_seconds": t["peft"],
+        "speedup_vs_peft": t["peft"] / t["stream"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (under 5 minutes on CPU)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-model", action="store_true", help="skip the whole-model case")
+    args = parser.parse_args()
+    args.min_seconds, args.min_reps = (0.3, 5) if args.quick else (1.0, 11)
+    device = torch.device(args.device)
+    machine = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    )
+    print(json.dumps({"machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__}), flush=True)
+    for case in layer_cases(args, device):
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in case.items()}), flush=True)
+    if not args.no_model:
+        for case in model_case(args, device):
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in case.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""`iter_merged_weights`: the merged model's state dict, streamed module by module, the model left untouched.
+
+It yields exactly the keys and values of `model.merge_and_unload().state_dict()` (base-model names, no `lora_`
+tensors), but never merges in place: each LoRA layer's `W + s·B@A` is computed out of place into a fresh tensor right
+before it is yielded, so the base stays bit-identical (no bf16 unmerge drift) and the extra memory is one module's
+weight while the consumer holds it. Other tensors are yielded as detached views of the model's own (no copy) unless
+`dtype` asks for a cast.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lorarl.lora_merge.merge import merge_lora
+
+NamedTensors = Iterator[tuple[str, torch.Tensor]]
+
+
+def iter_merged_weights(
+    model: nn.Module, *, adapter_name: str | None = None, dtype: torch.dtype | None = None, backend: str = "auto"
+) -> NamedTensors:
+    """Stream `(name, tensor)` of the model with its LoRA adapter merged, in `state_dict()` order.
+
+    `model`: a `peft.PeftModel`, a peft `LoraModel`, or a module with LoRA layers injected (a plain model without
+    any also works: its state dict is streamed as is). `adapter_name`: merge this adapter instead of the active
+    one(s). `dtype`: cast floating tensors to it (merged weights are rounded once, straight to `dtype`).
+    Raises `NotImplementedError` naming the layer for DoRA and other LoRA variants, and for non-LoRA tuner layers.
+    """
+    root = _base_model(model)
+    merged_elsewhere = {id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(root)}
+    yield from _walk(root, "", _Merger(adapter_name, dtype, backend, merged_elsewhere))
+
+
+class _Merger:
+    """What to merge and how; shared by the recursive walk."""
+
+    def __init__(self, adapter_name: str | None, dtype: torch.dtype | None, backend: str, merged_elsewhere: dict):
+        self.adapter_name = adapter_name
+        self.dtype = dtype
+        self.backend = backend
+        self.merged_elsewhere = merged_elsewhere  # id(base weight) -> LoRA layer that merges it (tied partners)
+
+    def plain(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+
+    def merged_weight(self, name: str, layer: nn.Module) -> torch.Tensor:
+        """The layer's base weight with its adapter(s) merged: `W + Σ s_i · B_i @ A_i`, one rounding."""
+        weight = layer.get_base_layer().weight.detach()
+        factors = self.factors(name, layer)
+        if not factors:
+            return self.plain(weight)
+        fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
+        out = torch.empty(weight.shape, dtype=self.dtype or weight.dtype, device=weight.device)
+        if len(factors) == 1:
+            lora_A, lora_B, scale = factors[0]
+        else:  # several active adapters: one merge over the concatenated ranks, so still one rounding
+            lora_A = torch.cat([a.to(torch.float32) for a, _, _ in factors])
+            lora_B = torch.cat([b.to(torch.float32) * s for _, b, s in factors], dim=1)
+            scale = 1.0
+        return merge_lora(weight, lora_A, lora_B, scale, out=out, fan_in_fan_out=fan_in_fan_out, backend=self.backend)
+
+    def merged_bias(self, name: str, layer: nn.Module) -> torch.Tensor | None:
+        """`lora_bias=True` adapters shift the base bias by `s · lora_B.bias`."""
+        bias = getattr(layer.get_base_layer(), "bias", None)
+        if bias is None:
+            return None
+        shifts = [layer.lora_B[a].bias for a in self.adapters(name, layer) if layer.lora_bias.get(a)]
+        if not shifts:
+            return self.plain(bias)
+        scales = [layer.scaling[a] for a in self.adapters(name, layer) if layer.lora_bias.get(a)]
+        total = bias.detach().to(torch.float32) + sum(
+            s * b.detach().to(torch.float32) for s, b in zip(scales, shifts, strict=True)
+        )
+        return total.to(self.dtype or bias.dtype)
+
+    def adapters(self, name: str, layer: nn.Module) -> list[str]:
+        """The adapters to merge into this layer: as `merge_and_unload`, skipping those already merged in place."""
+        wanted = [self.adapter_name] if self.adapter_name is not None else list(layer.active_adapters)
+        present = layer.lora_embedding_A if _is_embedding(layer) else layer.lora_A
+        chosen = [a for a in wanted if a in present and a not in layer.merged_adapters]
+        for a in chosen:
+            if a in layer.lora_variant:
+                raise NotImplementedError(
+                    f"{name or 'model'}: adapter {a!r} is a LoRA variant ({type(layer.lora_variant[a]).__name__}, "
+                    "e.g. DoRA); lorarl merges plain LoRA only"
+                )
+        return chosen
+
+    def factors(self, name: str, layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        if _is_embedding(layer):
+            return [
+                (layer.lora_embedding_A[a].detach(), layer.lora_embedding_B[a].detach(), layer.scaling[a])
+                for a in self.adapters(name, layer)
+            ]
+        return [
+            (layer.lora_A[a].weight.detach(), layer.lora_B[a].weight.detach(), layer.scaling[a])
+            for a in self.adapters(name, layer)
+        ]
+
+
+def _walk(module: nn.Module, prefix: str, merger: _Merger) -> NamedTensors:
+    """`module.state_dict()`'s traversal (own parameters, persistent buffers, children), with tuner layers resolved."""
+    from peft.tuners.lora import Embedding as LoraEmbedding
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    name = prefix.removesuffix(".")
+    if isinstance(module, ModulesToSaveWrapper):
+        yield from _walk(_module_to_save(module, merger.adapter_name), prefix, merger)
+        return
+    if isinstance(module, AuxiliaryTrainingWrapper) or (
+        isinstance(module, BaseTunerLayer) and type(module) not in (LoraLinear, LoraEmbedding)
+    ):
+        raise NotImplementedError(
+            f"{name}: {type(module).__module__}.{type(module).__qualname__} is not a plain LoRA Linear/Embedding "
+            "layer; lorarl.lora_merge cannot merge it"
+        )
+    if isinstance(module, BaseTunerLayer):  # a LoRA Linear or Embedding
+        base = module.get_base_layer()
+        replaced = {id(base.weight): merger.merged_weight(name, module)}
+        bias = getattr(base, "bias", None)
+        if bias is not None:
+            replaced[id(bias)] = merger.merged_bias(name, module)
+        yield from _own_tensors(base, prefix, merger, replaced)
+        for child_name, child in base._modules.items():
+            if child is not None:
+                yield from _walk(child, f"{prefix}{child_name}.", merger)
+        return
+    yield from _own_tensors(module, prefix, merger, {})
+    for child_name, child in module._modules.items():
+        if child is not None:
+            yield from _walk(child, f"{prefix}{child_name}.", merger)
+
+
+def _own_tensors(module: nn.Module, prefix: str, merger: _Merger, replaced: dict[int, torch.Tensor]) -> NamedTensors:
+    for key, param in module._parameters.items():
+        if param is None:
+            continue
+        if id(param) in replaced:
+            yield prefix + key, replaced.pop(id(param))
+        elif id(param) in merger.merged_elsewhere:  # tied to a LoRA-merged weight: merge_and_unload changes both
+            yield prefix + key, merger.merged_weight(*merger.merged_elsewhere[id(param)])
+        else:
+            yield prefix + key, merger.plain(param)
+    for key, buffer in module._buffers.items():
+        if buffer is not None and key not in module._non_persistent_buffers_set:
+            yield prefix + key, merger.plain(buffer)
+
+
+def _module_to_save(wrapper: nn.Module, adapter_name: str | None) -> nn.Module:
+    """The copy `merge_and_unload` keeps for a `ModulesToSaveWrapper` (an `nn.ModuleDict` has no `.get`)."""
+    if adapter_name is None:
+        adapter_name = wrapper.active_adapters[0] if wrapper.active_adapters else None
+    if adapter_name in wrapper.modules_to_save:
+        return wrapper.modules_to_save[adapter_name]
+    return wrapper.original_module
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The module whose state dict `merge_and_unload()` returns (names without `base_model.model.`)."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:  # no peft: no LoRA layers either
+        return model
+    if isinstance(model, PeftModel):
+        return model.get_base_model()
+    if isinstance(model, BaseTuner):
+        return model.model
+    return model
+
+
+def _lora_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    try:
+        from peft.tuners.lora import Embedding as LoraEmbedding
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return
+    for name, module in root.named_modules():
+        if type(module) in (LoraLinear, LoraEmbedding):
+            yield name, module
+
+
+def _is_embedding(layer: nn.Module) -> bool:
+    from peft.tuners.lora import Embedding as LoraEmbedding
+
+    return isinstance(layer, LoraEmbedding)

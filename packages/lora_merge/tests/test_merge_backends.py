@@ -1,0 +1,107 @@
+"""Every backend against a float64 reference: one rounding, fp32 accumulation, nothing else touched."""
+
+import pytest
+import torch
+from merge_reference import assert_merged_close
+
+from lorarl.lora_merge import available_backends, merge_lora, merge_lora_
+
+BACKENDS = ["torch", "cpp", "triton"]
+SHAPES = [(1, 1), (5, 70), (64, 64), (97, 200), (130, 257)]  # edges of every tile size, and whole tiles
+
+
+def factors(shape, rank, fan_in_fan_out=False, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    fan_in, fan_out = (rows, cols) if fan_in_fan_out else (cols, rows)
+    lora_A = torch.randn(rank, fan_in, generator=generator).to(dtype)
+    lora_B = torch.randn(fan_out, rank, generator=generator).to(dtype)
+    return lora_A, lora_B
+
+
+def test_every_backend_is_available_here():
+    assert available_backends("cpu") == ["torch", "cpp", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rank", [1, 8, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_float64_reference(backend, dtype, rank, shape):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    lora_A, lora_B = factors(shape, rank)
+    before = weight.clone()
+    got = merge_lora(weight, lora_A, lora_B, 0.37, backend=backend)
+    assert got.dtype == dtype
+    assert got.shape == weight.shape
+    assert torch.equal(weight, before)  # out of place: the base is untouched
+    assert_merged_close(got, weight, lora_A, lora_B, 0.37)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+def test_fan_in_fan_out_and_factor_dtypes(backend, factor_dtype):
+    shape = (96, 72)  # Conv1D: weight [in, out]
+    weight = torch.randn(shape).bfloat16()
+    lora_A, lora_B = factors(shape, 8, fan_in_fan_out=True, dtype=factor_dtype)
+    got = merge_lora(weight, lora_A, lora_B, -1.5, fan_in_fan_out=True, backend=backend)
+    assert_merged_close(got, weight, lora_A, lora_B, -1.5, fan_in_fan_out=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_in_another_dtype_is_rounded_once_from_the_exact_value(backend):
+    weight = torch.randn(70, 90)  # an fp32 master weight merged straight into bf16
+    lora_A, lora_B = factors(weight.shape, 16)
+    out = torch.empty(70, 90, dtype=torch.bfloat16)
+    assert merge_lora(weight, lora_A, lora_B, 0.5, out=out, backend=backend) is out
+    assert_merged_close(out, weight, lora_A, lora_B, 0.5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place(backend):
+    weight = torch.randn(65, 130).bfloat16()
+    original = weight.clone()
+    lora_A, lora_B = factors(weight.shape, 8)
+    assert merge_lora_(weight, lora_A, lora_B, 2.0, backend=backend) is weight
+    assert_merged_close(weight, original, lora_A, lora_B, 2.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs_and_out_are_handled_correctly(backend):
+    storage = torch.randn(80, 140).bfloat16()
+    weight = storage[:, ::2]  # strided view [80, 70]
+    lora_A = torch.randn(70, 8).t()  # transposed view [8, 70]
+    lora_B = torch.randn(8, 80).t()
+    out_storage = torch.zeros(80, 140, dtype=torch.bfloat16)
+    out = out_storage[:, 1::2]
+    merge_lora(weight, lora_A, lora_B, 0.25, out=out, backend=backend)
+    assert_merged_close(out, weight, lora_A, lora_B, 0.25)
+    assert (out_storage[:, ::2] == 0).all()  # nothing written outside the view
+    weight_copy = weight.clone()
+    merge_lora_(weight, lora_A, lora_B, 0.25, backend=backend)  # in place into a strided view
+    assert_merged_close(weight, weight_copy, lora_A, lora_B, 0.25)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_zero_and_zero_scale_copy_the_weight(backend):
+    weight = torch.randn(9, 33).bfloat16()
+    assert torch.equal(merge_lora(weight, torch.zeros(0, 33), torch.zeros(9, 0), 1.0, backend=backend), weight)
+    lora_A, lora_B = factors(weight.shape, 4)
+    assert torch.equal(merge_lora(weight, lora_A, lora_B, 0.0, backend=backend), weight)
+
+
+def test_cpp_op_keeps_special_values():
+    values = torch.tensor([1e-39, -3e-39, float("nan"), float("inf"), -float("inf"), 3.0e38, -0.0, 0.0] * 24)
+    weight = values.view(8, 24).bfloat16()
+    got = merge_lora(weight, torch.zeros(1, 24), torch.zeros(8, 1), 1.0, backend="cpp")
+    assert torch.equal(got.isnan(), weight.isnan())
+    assert torch.equal(got[~got.isnan()], weight[~weight.isnan()])  # denormals, infinities and -0 survive exactly
+
+
+def test_backends_agree_bitwise_on_bf16_where_rounding_is_unambiguous():
+    """Same fp32 sum, same single rounding: the backends differ only where fp32 summation order matters."""
+    weight = torch.randn(64, 128).bfloat16()
+    lora_A, lora_B = factors(weight.shape, 8)
+    results = [merge_lora(weight, lora_A, lora_B, 0.5, backend=b) for b in BACKENDS]
+    for other in results[1:]:
+        assert (other != results[0]).float().mean() < 0.01

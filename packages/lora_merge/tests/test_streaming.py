@@ -1,0 +1,178 @@
+"""`iter_merged_weights` against peft's own `merge_and_unload()` on real peft models (tiny, built in code)."""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from merge_reference import ulp
+from peft import LoHaConfig, LoraConfig, get_peft_model
+
+from lorarl.lora_merge import iter_merged_weights
+
+
+def lora(model, **config):
+    """A peft LoRA model with random (non-zero) A and B, so merging changes every targeted weight."""
+    return get_peft_model(model, LoraConfig(init_lora_weights=False, **config))
+
+
+def reference_state(peft_model, adapter_name=None):
+    """peft's answer: merge a deep copy in place, unload, take its state dict."""
+    copied = copy.deepcopy(peft_model)
+    if adapter_name is not None:
+        copied.set_adapter(adapter_name)
+    return copied.merge_and_unload().state_dict()
+
+
+def snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_as_peft(peft_model, **kwargs):
+    before = snapshot(peft_model)
+    ours = list(iter_merged_weights(peft_model, **kwargs))
+    after = snapshot(peft_model)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the model is untouched, bit for bit
+
+    reference = reference_state(peft_model, kwargs.get("adapter_name"))
+    assert [name for name, _ in ours] == list(reference)  # same keys, same order
+    for name, tensor in ours:
+        expected = reference[name]
+        assert tensor.dtype == expected.dtype, name
+        assert tensor.shape == expected.shape, name
+        tolerance = ulp(expected.double(), torch.bfloat16) if expected.dtype == torch.bfloat16 else 1e-5
+        assert ((tensor.double() - expected.double()).abs() <= tolerance).all(), name
+    return dict(ours)
+
+
+@pytest.mark.parametrize("rank", [1, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tie", [True, False])
+def test_qwen2_all_linear(make_qwen2, rank, dtype, tie):
+    merged = assert_same_as_peft(
+        lora(make_qwen2(tie=tie, dtype=dtype), r=rank, lora_alpha=16, target_modules="all-linear")
+    )
+    assert not any("lora_" in k or "base_layer" in k for k in merged)
+
+
+@pytest.mark.parametrize("rank", [1, 8, 64])
+def test_gpt2_conv1d_fan_in_fan_out(make_gpt2, rank):
+    model = lora(
+        make_gpt2(dtype=torch.bfloat16), r=rank, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True
+    )
+    assert_same_as_peft(model)
+
+
+def test_explicit_targets_with_exclusions_and_rslora(make_qwen2):
+    model = lora(
+        make_qwen2(dtype=torch.bfloat16),
+        r=8,
+        lora_alpha=32,
+        use_rslora=True,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        exclude_modules=["model.layers.1.self_attn.v_proj"],
+    )
+    assert "lora_A" not in dict(model.base_model.model.model.layers[1].self_attn.v_proj.named_children())
+    assert_same_as_peft(model)
+
+
+def test_embedding_lm_head_and_lora_bias(make_qwen2):
+    assert_same_as_peft(lora(make_qwen2(tie=False), r=4, target_modules=["embed_tokens", "lm_head", "o_proj"]))
+    assert_same_as_peft(lora(make_qwen2(), r=4, target_modules=["q_proj", "k_proj"], lora_bias=True))
+
+
+def test_lora_on_a_tied_lm_head_changes_both_names_as_peft_does(make_qwen2):
+    model = lora(make_qwen2(tie=True), r=4, target_modules=["lm_head"])
+    merged = assert_same_as_peft(model)
+    assert torch.equal(merged["lm_head.weight"], merged["model.embed_tokens.weight"])
+
+
+def test_modules_to_save(make_qwen2):
+    model = lora(make_qwen2(dtype=torch.bfloat16), r=8, target_modules=["q_proj"], modules_to_save=["norm"])
+    model.base_model.model.model.norm.modules_to_save["default"].weight.data.fill_(3.0)  # as if trained
+    merged = assert_same_as_peft(model)
+    assert (merged["model.norm.weight"] == 3.0).all()
+
+
+def test_several_adapters(make_qwen2):
+    model = lora(make_qwen2(dtype=torch.bfloat16), r=4, target_modules=["q_proj", "up_proj"])
+    model.add_adapter(
+        "other", LoraConfig(r=8, lora_alpha=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    )
+    assert_same_as_peft(model)  # the active one ("default")
+    assert_same_as_peft(model, adapter_name="other")
+    model.set_adapter("other")
+    assert_same_as_peft(model)
+    model.base_model.set_adapter(["default", "other"])  # both active: merged together, one rounding
+    exact = copy.deepcopy(model).double().merge_and_unload().state_dict()  # peft in float64: the exact sum
+    for name, tensor in iter_merged_weights(model):
+        rounded = exact[name].to(torch.bfloat16).double()
+        assert ((tensor.double() - rounded).abs() <= ulp(rounded, torch.bfloat16)).all(), name
+    # peft itself rounds after each adapter (twice); ours is the once-rounded exact sum
+
+
+def test_dtype_casts_and_rounds_merged_weights_once(make_qwen2):
+    model = lora(make_qwen2(dtype=torch.float32), r=8, target_modules="all-linear")
+    reference = reference_state(model)
+    for name, tensor in iter_merged_weights(model, dtype=torch.bfloat16):
+        assert tensor.dtype == torch.bfloat16
+        expected = reference[name].double()
+        assert ((tensor.double() - expected).abs() <= ulp(expected, torch.bfloat16)).all(), name
+
+
+def test_streams_one_module_at_a_time(make_qwen2):
+    """Merged weights are made lazily and not kept: at most the one the consumer holds is alive."""
+    model = lora(make_qwen2(), r=8, target_modules="all-linear")
+    params = {p.data_ptr() for p in model.parameters()}
+    alive = []
+    for _, tensor in iter_merged_weights(model):
+        if tensor.data_ptr() not in params:  # a freshly merged weight (others are views of the model's own)
+            alive.append(weakref.ref(tensor))
+        del tensor
+        gc.collect()
+        assert sum(ref() is not None for ref in alive) == 0
+    assert len(alive) == 2 * 7  # every LoRA layer was merged
+
+
+def test_zero_drift_where_peft_bf16_merge_unmerge_drifts(make_qwen2):
+    model = lora(make_qwen2(dtype=torch.bfloat16), r=16, lora_alpha=32, target_modules="all-linear")
+    base = snapshot(model)
+    for _ in range(100):
+        for _ in iter_merged_weights(model):
+            pass
+    ours = max((v.double() - base[k].double()).abs().max().item() for k, v in model.state_dict().items())
+
+    peft_model = copy.deepcopy(model)
+    for _ in range(100):
+        peft_model.merge_adapter()
+        peft_model.unmerge_adapter()
+    drift = max((v.double() - base[k].double()).abs().max().item() for k, v in peft_model.state_dict().items())
+    assert ours == 0.0
+    assert drift > 0.0
+
+
+def test_already_merged_adapters_are_not_merged_twice(make_qwen2):
+    model = lora(make_qwen2(), r=4, target_modules=["q_proj"])
+    expected = reference_state(model)
+    model.merge_adapter()  # W now holds W + BA; merge_and_unload would not add BA again
+    for name, tensor in iter_merged_weights(model):
+        torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_dora_and_other_tuners_are_refused_naming_the_layer(make_qwen2):
+    dora = lora(make_qwen2(), r=4, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.q_proj.*DoRA"):
+        list(iter_merged_weights(dora))
+    loha = get_peft_model(make_qwen2(), LoHaConfig(r=4, target_modules=["v_proj"]))
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.v_proj"):
+        list(iter_merged_weights(loha))
+
+
+def test_a_plain_model_streams_its_state_dict(make_qwen2):
+    model = make_qwen2()
+    ours = list(iter_merged_weights(model))
+    reference = model.state_dict()
+    assert [k for k, _ in ours] == list(reference)
+    assert all(torch.equal(v, reference[k]) for k, v in ours)
