@@ -3,37 +3,10 @@
 import os
 
 import pytest
-import torch
+from tiny_models import tiny_gpt2, tiny_qwen2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def tiny_qwen2(*, tie: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 2):
-    """A random Qwen2 (Llama-style: GQA, gate/up/down MLP, RMSNorm, q/k/v biases) with a few thousand parameters."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-    )
-    return Qwen2ForCausalLM(config).to(dtype).eval()
-
-
-def tiny_gpt2(*, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A random GPT-2: its projections are `Conv1D` (weights stored [in, out], peft's fan_in_fan_out)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=128, n_positions=256, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).to(dtype).eval()
 
 
 @pytest.fixture

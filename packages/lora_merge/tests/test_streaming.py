@@ -9,7 +9,7 @@ import torch
 from merge_reference import ulp
 from peft import LoHaConfig, LoraConfig, get_peft_model
 
-from lorarl.lora_merge import iter_merged_weights
+from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
 
 
 def lora(model, **config):
@@ -176,3 +176,11 @@ def test_a_plain_model_streams_its_state_dict(make_qwen2):
     reference = model.state_dict()
     assert [k for k, _ in ours] == list(reference)
     assert all(torch.equal(v, reference[k]) for k, v in ours)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_merged_weight_specs_list_exactly_what_is_streamed_without_merging(make_qwen2, dtype):
+    model = lora(make_qwen2(tie=True), r=4, target_modules="all-linear", modules_to_save=["norm"])
+    specs = merged_weight_specs(model, dtype=dtype)
+    streamed = [(name, t.shape, t.dtype) for name, t in iter_merged_weights(model, dtype=dtype)]
+    assert specs == streamed

@@ -27,29 +27,45 @@ def iter_merged_weights(
     one(s). `dtype`: cast floating tensors to it (merged weights are rounded once, straight to `dtype`).
     Raises `NotImplementedError` naming the layer for DoRA and other LoRA variants, and for non-LoRA tuner layers.
     """
-    root = _base_model(model)
-    merged_elsewhere = {id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(root)}
-    yield from _walk(root, "", _Merger(adapter_name, dtype, backend, merged_elsewhere))
+    yield from _walk(_base_model(model), "", _Merger(model, adapter_name, dtype, backend))
+
+
+def merged_weight_specs(
+    model: nn.Module, *, adapter_name: str | None = None, dtype: torch.dtype | None = None
+) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """`(name, shape, dtype)` of everything `iter_merged_weights` will yield, in order, without merging anything
+    (e.g. the manifest a weight transfer announces before it streams)."""
+    merger = _Merger(model, adapter_name, dtype, "torch", specs_only=True)
+    return [(name, t.shape, t.dtype) for name, t in _walk(_base_model(model), "", merger)]
 
 
 class _Merger:
-    """What to merge and how; shared by the recursive walk."""
+    """What to merge and how; shared by the recursive walk. With `specs_only`, tensors are shape-only (meta)."""
 
-    def __init__(self, adapter_name: str | None, dtype: torch.dtype | None, backend: str, merged_elsewhere: dict):
+    def __init__(
+        self, model: nn.Module, adapter_name: str | None, dtype: torch.dtype | None, backend: str, specs_only=False
+    ):
         self.adapter_name = adapter_name
         self.dtype = dtype
         self.backend = backend
-        self.merged_elsewhere = merged_elsewhere  # id(base weight) -> LoRA layer that merges it (tied partners)
+        self.specs_only = specs_only
+        # id(base weight) -> (name, LoRA layer) that merges it: its tied partners get the merged value too
+        self.merged_elsewhere = {
+            id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(_base_model(model))
+        }
 
     def plain(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+        if self.specs_only:
+            return torch.empty(tensor.shape, dtype=dtype, device="meta")
+        return tensor.to(dtype)
 
     def merged_weight(self, name: str, layer: nn.Module) -> torch.Tensor:
         """The layer's base weight with its adapter(s) merged: `W + Σ s_i · B_i @ A_i`, one rounding."""
         weight = layer.get_base_layer().weight.detach()
         factors = self.factors(name, layer)
-        if not factors:
+        if not factors or self.specs_only:
             return self.plain(weight)
         fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
         out = torch.empty(weight.shape, dtype=self.dtype or weight.dtype, device=weight.device)
@@ -67,7 +83,7 @@ class _Merger:
         if bias is None:
             return None
         shifts = [layer.lora_B[a].bias for a in self.adapters(name, layer) if layer.lora_bias.get(a)]
-        if not shifts:
+        if not shifts or self.specs_only:
             return self.plain(bias)
         scales = [layer.scaling[a] for a in self.adapters(name, layer) if layer.lora_bias.get(a)]
         total = bias.detach().to(torch.float32) + sum(

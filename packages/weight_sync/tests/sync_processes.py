@@ -1,0 +1,62 @@
+"""Run functions in separate processes joined by a real gloo sync group on 127.0.0.1, bounded in time."""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+
+from lorarl.weight_sync import create_sync_group, free_port
+
+
+def _child(fn: Callable, rank: int, world: int, port: int, timeout: float, results) -> None:
+    try:
+        group = create_sync_group("127.0.0.1", port, world, rank, timeout=timeout)
+        results.put((rank, "ok", fn(group, rank)))
+    except BaseException as e:
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_group(
+    fns: list[Callable],
+    *,
+    timeout: float = 20.0,
+    deadline: float = 120.0,
+    kill: dict[int, Callable[[], bool]] | None = None,
+) -> dict[int, tuple[str, object]]:
+    """Start `fns[r](group, r)` as rank r of one group (use functools.partial for more arguments);
+    `kill={rank: condition}` SIGKILLs that rank as soon as `condition()` (checked here) is true.
+
+    Returns {rank: ("ok", value) | ("error", text) | ("killed", None)}; any process still running after `deadline`
+    seconds is killed and reported as "hung", so a test never hangs.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, len(fns), port, timeout, results)) for r, fn in enumerate(fns)]
+    for p in procs:
+        p.start()
+    started = time.monotonic()
+    killed = set()
+    outcome: dict[int, tuple[str, object]] = {}
+    while len(outcome) + len(killed) < len(procs) and time.monotonic() - started < deadline:
+        for rank, condition in (kill or {}).items():
+            if rank not in killed and condition():
+                os.kill(procs[rank].pid, signal.SIGKILL)
+                killed.add(rank)
+        try:
+            rank, status, value = results.get(timeout=0.1)
+            outcome[rank] = (status, value)
+        except Exception:
+            pass
+    for rank, p in enumerate(procs):
+        if rank in killed:
+            outcome.setdefault(rank, ("killed", None))
+        elif rank not in outcome:
+            outcome[rank] = ("hung", None)
+        p.join(timeout=1)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return outcome
