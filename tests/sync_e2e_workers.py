@@ -16,9 +16,9 @@ def fingerprint(state: dict[str, torch.Tensor]) -> dict[str, str]:
     }
 
 
-def trainer(group, rank, bucket_bytes):
+def trainer(group, rank, bucket_bytes, direct_bytes):
     model = tiny_lora_qwen2()
-    sender = BucketSender(group, bucket_bytes=bucket_bytes, verify=True)
+    sender = BucketSender(group, bucket_bytes=bucket_bytes, verify=True, direct_bytes=direct_bytes)
     stats = sender.send(iter_merged_weights(model), version=1, manifest=merged_weight_specs(model))
     reference = model.merge_and_unload().state_dict()  # peft's own merge, after the transfer
     return {"stats": (stats.tensors, stats.buckets), "reference": fingerprint(reference)}

@@ -25,6 +25,7 @@ def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
         "empty": torch.zeros(0, 5),
         "scalar": torch.tensor(3.5),
         "transposed": torch.randn(20, 30, generator=g).t(),  # not contiguous
+        **{f"small.{i}": torch.randn(375, generator=g) for i in range(30)},  # 1.5 kB each: packed, some split
     }
 
 
@@ -46,7 +47,9 @@ class Holder(nn.Module):
 
 
 def send_mixed(group, rank, version=7, verify=True, bucket=SMALL_BUCKET):
-    stats = BucketSender(group, bucket_bytes=bucket, verify=verify).send(mixed_tensors(), version=version)
+    stats = BucketSender(group, bucket_bytes=bucket, verify=verify, direct_bytes=bucket // 8).send(
+        mixed_tensors(), version=version
+    )
     return {"version": stats.version, "tensors": stats.tensors, "buckets": stats.buckets, "bytes": stats.bytes}
 
 
@@ -99,14 +102,17 @@ def send_failing_input(group, rank):
 
 def send_corrupted(group, rank):
     sender = BucketSender(group, bucket_bytes=SMALL_BUCKET, verify=True)
-    pack = sender._pack
+    broadcast = sender.channel.broadcast
+    sent = []
 
-    def pack_then_flip_a_byte(buffer, bucket, parts):  # fault injection: a bit flips on the wire after the checksum
-        pack(buffer, bucket, parts)
-        if bucket.index == 1:
-            buffer[bucket.payload_offset + 100] ^= 1
+    def flip_a_byte_on_the_wire(tensor):  # fault injection: after the checksums were computed
+        sent.append(tensor.numel())
+        if len(sent) == 8 and tensor.numel() > 200:
+            tensor = tensor.clone()
+            tensor[100] ^= 1
+        return broadcast(tensor)
 
-    sender._pack = pack_then_flip_a_byte
+    sender.channel.broadcast = flip_a_byte_on_the_wire
     sender.send(mixed_tensors(), version=1)
 
 

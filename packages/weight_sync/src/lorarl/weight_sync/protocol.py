@@ -1,24 +1,28 @@
-"""The wire format: a transfer header, then fixed-size buckets that describe themselves.
+"""The wire format: a transfer header, then buckets, then every rank's verdict.
 
-Transfer header (two broadcasts: its length as one int64, then the bytes): JSON with the protocol version, the
-transfer's version number, its kind ("weights" or "adapter"), the bucket size, whether buckets carry checksums, and
-the manifest (every tensor's name, dtype and shape, when the sender knows it up front) — so a receiver can validate
-the whole transfer before it applies a single byte.
+Transfer header (its length as one int64, then the bytes): JSON with the protocol version, the transfer's version
+number, its kind ("weights" or "adapter"), the bucket size, whether buckets carry checksums, and the manifest (every
+tensor's name, dtype and shape, when the sender knows it up front) — so a receiver can validate the whole transfer
+before it applies a single byte.
 
-Bucket (one broadcast of exactly `bucket_bytes`): `[8-byte little-endian header length][header JSON][pad][payload]`;
-the header says where its payload starts. It lists its entries — a tensor, or a byte range of one when it is split
-across buckets — with byte offsets into the payload (aligned to 64), and says whether it is the last bucket, or that
-the sender aborted.
+Each bucket is up to four kinds of broadcast, in order:
+  control   int64[2]: the bucket header's length and the packed payload's length
+  header    JSON: index, last, abort notice, the packed entries (tensor or byte range of one, with its offset in the
+            payload, aligned to 64), the direct entries, checksums
+  payload   the packed small tensors, exactly as long as announced (nothing when no tensor was packed)
+  direct    one broadcast per direct entry: a byte range (at most a bucket) of a large tensor, sent from the tensor's
+            own memory and received straight into its destination — no packing copy on either side
+The transfer ends with an all-reduce (MAX) of every rank's failure flag, so the sender learns whether all applied it.
 """
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 PROTOCOL_VERSION = 1
 ALIGN = 64
-LENGTH_BYTES = 8
 
 DTYPES = {
     str(dtype).removeprefix("torch."): dtype
@@ -37,11 +41,14 @@ class ProtocolError(TransferError):
     """The other side speaks another protocol version, or sent metadata that does not add up."""
 
 
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise TypeError(f"lorarl.weight_sync cannot send tensors of dtype {dtype}")
-    return name
+    try:
+        return NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"lorarl.weight_sync cannot send tensors of dtype {dtype}") from None
 
 
 def align(n: int) -> int:
@@ -54,7 +61,7 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         count = 1
         for size in self.shape:
@@ -103,7 +110,16 @@ class TransferHeader:
     protocol: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        body = {
+            "protocol": self.protocol,
+            "version": self.version,
+            "kind": self.kind,
+            "bucket_bytes": self.bucket_bytes,
+            "verify": self.verify,
+            "manifest": None if self.manifest is None else [[s.name, s.dtype, s.shape] for s in self.manifest],
+            "adapter_config": self.adapter_config,
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "TransferHeader":
@@ -124,71 +140,50 @@ class TransferHeader:
 class BucketHeader:
     index: int
     last: bool
-    payload_offset: int = 0
-    entries: list[Entry] = field(default_factory=list)
-    checksum: list[int] | None = None
+    entries: list[Entry] = field(default_factory=list)  # packed into the payload
+    direct: list[Entry] = field(default_factory=list)  # sent as broadcasts of their own, after the payload
+    checksums: list[list[int]] | None = None  # the payload's, then each direct entry's
     abort: str | None = None
 
+    @property
+    def payload_bytes(self) -> int:
+        return align(max((e.offset + e.length for e in self.entries), default=0))
+
     def encode(self) -> bytes:
-        entries = [[e.spec.name, e.spec.dtype, list(e.spec.shape), e.start, e.length, e.offset] for e in self.entries]
+        def rows(entries):
+            return [[e.spec.name, e.spec.dtype, list(e.spec.shape), e.start, e.length, e.offset] for e in entries]
+
         body = {
             "index": self.index,
             "last": self.last,
-            "payload_offset": self.payload_offset,
-            "entries": entries,
-            "checksum": self.checksum,
+            "entries": rows(self.entries),
+            "direct": rows(self.direct),
+            "checksums": self.checksums,
             "abort": self.abort,
         }
-        return json.dumps(body).encode()
-
-    @staticmethod
-    def size_bound(entries: list[Entry]) -> int:
-        """An upper bound of the encoded size with these entries (checksums and numbers at full width)."""
-        return 256 + sum(len(json.dumps([e.spec.name, e.spec.dtype, list(e.spec.shape)])) + 64 for e in entries)
+        return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, bucket: torch.Tensor) -> "BucketHeader":
-        """Read and check the header at the start of a received bucket (any device)."""
-        capacity = bucket.numel()
-        head = bucket[:LENGTH_BYTES].cpu()
-        length = int.from_bytes(bytes(head.tolist()), "little")
-        if not 0 < length <= capacity - LENGTH_BYTES:
-            raise ProtocolError(f"bucket header length {length} does not fit a bucket of {capacity} bytes")
-        raw = bytes(bucket[LENGTH_BYTES : LENGTH_BYTES + length].cpu().numpy().tobytes())
+    def decode(cls, raw: bytes, payload_bytes: int, bucket_bytes: int) -> "BucketHeader":
+        """Parse and check a bucket header against the payload length its control message announced."""
         try:
             data = json.loads(raw)
-            entries = [
-                Entry(TensorSpec(n, d, tuple(s)), start, size, off) for n, d, s, start, size, off in data["entries"]
-            ]
-            header = cls(
-                data["index"], data["last"], data["payload_offset"], entries, data.get("checksum"), data.get("abort")
-            )
+
+            def entries(rows):
+                return [Entry(TensorSpec(n, d, tuple(s)), start, size, off) for n, d, s, start, size, off in rows]
+
+            header = cls(data["index"], data["last"], entries(data["entries"]), entries(data["direct"]),
+                         data.get("checksums"), data.get("abort"))  # fmt: skip
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             raise ProtocolError(f"unreadable bucket header ({e})") from None
-        if header.entries and not LENGTH_BYTES + length <= header.payload_offset <= capacity:
-            raise ProtocolError(f"bucket {header.index}: payload offset {header.payload_offset} out of range")
-        payload = capacity - header.payload_offset
-        for e in header.entries:
+        if payload_bytes != header.payload_bytes or payload_bytes > bucket_bytes:
+            raise ProtocolError(f"bucket {header.index}: payload length {payload_bytes} does not match its entries")
+        for e in header.entries + header.direct:
             empty_ok = e.length == 0 and e.spec.nbytes == 0
             bad_range = e.start < 0 or (e.length <= 0 and not empty_ok) or e.start + e.length > e.spec.nbytes
-            if e.spec.dtype not in DTYPES or bad_range:
+            if e.spec.dtype not in DTYPES or bad_range or e.offset < 0 or e.length > bucket_bytes:
                 raise ProtocolError(f"bucket {header.index}: bad entry for {e.spec.name!r}")
-            if e.offset < 0 or e.offset + e.length > payload:
-                raise ProtocolError(f"bucket {header.index}: entry {e.spec.name!r} lies outside the payload")
         return header
-
-
-def payload_start(header_bound: int) -> int:
-    return align(LENGTH_BYTES + header_bound)
-
-
-def write_header(bucket: torch.Tensor, header: BucketHeader) -> None:
-    """Write `header` at the start of `bucket` (any device), before its payload."""
-    raw = header.encode()
-    if LENGTH_BYTES + len(raw) > header.payload_offset and header.entries:
-        raise ProtocolError(f"bucket header of {len(raw)} bytes overruns its payload at {header.payload_offset}")
-    prefix = torch.frombuffer(bytearray(len(raw).to_bytes(LENGTH_BYTES, "little") + raw), dtype=torch.uint8)
-    bucket[: prefix.numel()].copy_(prefix, non_blocking=False)
 
 
 def checksum(payload: torch.Tensor, chunk: int = 1 << 24) -> list[int]:
@@ -208,8 +203,8 @@ def checksum(payload: torch.Tensor, chunk: int = 1 << 24) -> list[int]:
 
 def _spec(raw: object) -> TensorSpec:
     try:
-        name, dtype, shape = raw["name"], raw["dtype"], raw["shape"]
-    except (TypeError, KeyError):
+        name, dtype, shape = raw
+    except (TypeError, ValueError):
         raise ProtocolError(f"bad manifest entry {raw!r}") from None
     if dtype not in DTYPES:
         raise ProtocolError(f"manifest entry {name!r} has unknown dtype {dtype!r}")

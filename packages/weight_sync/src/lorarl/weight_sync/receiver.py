@@ -1,9 +1,10 @@
 """`BucketReceiver`: receive a transfer from `BucketSender` and apply it, never half-way without saying so.
 
-The receiver posts the broadcast of bucket k+1 into its second buffer while the consumer handles bucket k.
+The control message of bucket k+1 is already posted while the consumer handles bucket k; large tensors sent direct
+land straight in their destination (a fresh tensor, or the target parameter itself for `load_into`).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -13,14 +14,18 @@ from torch import nn
 from lorarl.weight_sync.protocol import (
     DTYPES,
     BucketHeader,
+    Entry,
     ProtocolError,
     TensorSpec,
     TransferError,
     TransferHeader,
-    align,
     checksum,
 )
 from lorarl.weight_sync.transport import Channel
+
+MAX_HEADER_BYTES = 256 << 20
+VIEW, OWNED, LANDED = "view", "owned", "landed"  # what a received tensor is (see _tensors)
+Destination = Callable[[Entry], torch.Tensor]  # where a direct entry's bytes land: a uint8 view of entry.length
 
 
 class PartialLoadError(TransferError):
@@ -36,14 +41,17 @@ class PartialLoadError(TransferError):
 
 @dataclass
 class _Transfer:
-    """A receive in progress: its header, where the bucket stream stands, the split tensor being reassembled."""
+    """A receive in progress: its header, where the bucket stream stands, tensors being reassembled."""
 
     header: TransferHeader
+    destination: Destination | None = None  # None: direct entries land in tensors of their own
     next_index: int = 0  # the bucket to receive next
-    pending: dist.Work | None = None  # its broadcast, already posted
+    control: torch.Tensor | None = None  # its control message, already posted ...
+    pending: dist.Work | None = None  # ... by this broadcast
     finished: bool = False  # the last bucket (or the sender's abort notice) has arrived
     received: int = 0  # tensors completed
     split: tuple[TensorSpec, int] | None = None  # tensor being received in parts, and its next byte
+    assembling: dict[str, torch.Tensor] = field(default_factory=dict)  # bytes of tensors received in parts
     manifest_index: dict[str, TensorSpec] = field(default_factory=dict)
 
 
@@ -67,26 +75,29 @@ class BucketReceiver:
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the `(name, tensor)` of one transfer of weights, in the order sent.
 
-        The tensors are **views into a reused bucket buffer, valid only until the iterator advances** (tensors
-        that were split across buckets are yielded as tensors of their own). Copy what you keep. `version` is set
-        once the whole transfer has been received and validated; stopping early drains the rest and raises.
+        Small tensors are **views into a reused bucket buffer, valid only until the iterator advances**; large ones
+        (sent direct, or split) are tensors of their own. Copy what you keep. `version` is set once the whole
+        transfer has been received and validated; stopping early drains the rest and reports failure.
         """
-        yield from self._tensors(self._start("weights"))
+        transfer = self._start("weights")
+        for name, tensor, _ in self._tensors(transfer):
+            yield name, tensor
 
     def receive_adapter(self) -> tuple[dict[str, torch.Tensor], dict, int]:
         """Receive an adapter transfer: `(tensors, peft adapter config, version)`; the tensors are owned copies."""
         transfer = self._start("adapter")
-        tensors = {name: tensor.clone() for name, tensor in self._tensors(transfer)}
+        tensors = {name: tensor.clone() for name, tensor, _ in self._tensors(transfer)}
         return tensors, transfer.header.adapter_config or {}, transfer.header.version
 
     def load_into(self, target: nn.Module | object, *, strict: bool = True) -> int:
         """Receive one transfer of weights into `target` and return its version.
 
-        An `nn.Module`: each tensor is copied into the parameter or buffer of that name; unknown names, shape or
-        dtype mismatches — and, with `strict`, names the transfer lacks — raise before anything is applied
-        (checked against the sender's manifest). Any other object must have vLLM's `load_weights(iterable)`; it is
-        given owned copies, so it may keep them. A failure part-way raises `PartialLoadError` naming what was
-        already applied; the version is then not reported, and the sender learns of the failure.
+        An `nn.Module`: each tensor is copied into the parameter or buffer of that name (large ones are received
+        straight into it); unknown names, shape or dtype mismatches — and, with `strict`, names the transfer lacks —
+        raise before anything is applied (checked against the sender's manifest). Any other object must have vLLM's
+        `load_weights(iterable)`; it is given owned tensors, so it may keep them. A failure part-way raises
+        `PartialLoadError` naming what was already applied; the version is then not reported, and the sender
+        learns of the failure.
         """
         transfer = self._start("weights")
         if isinstance(target, nn.Module):
@@ -95,18 +106,18 @@ class BucketReceiver:
             self._fail(transfer, TypeError("target must be an nn.Module or have a load_weights(iterable) method"))
         applied: list[str] = []
 
-        def owned_copies() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self._tensors(transfer, finish=False):
+        def owned() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor, kind in self._tensors(transfer, finish=False):
                 applied.append(name)
-                yield name, tensor.clone()
+                yield name, tensor.clone() if kind == VIEW else tensor
 
         try:
-            target.load_weights(owned_copies())
-            self._finish(transfer)
+            target.load_weights(owned())
         except TransferError as e:
             raise PartialLoadError(str(e), applied) from e
         except Exception as e:
             self._fail(transfer, e, applied)
+        self._finish(transfer)
         return transfer.header.version
 
     # --- the transfer itself -----------------------------------------------------------------------------------
@@ -117,82 +128,118 @@ class BucketReceiver:
         transfer = _Transfer(header)
         if header.manifest is not None:
             transfer.manifest_index = {spec.name: spec for spec in header.manifest}
-        if header.kind != kind:
-            self._fail(transfer, ProtocolError(f"expected a {kind!r} transfer, the sender sent {header.kind!r}"))
         if len(self._buffers) != 2 or self._buffers[0].numel() != header.bucket_bytes:
             self._buffers = [
                 torch.empty(header.bucket_bytes, dtype=torch.uint8, device=self.channel.device) for _ in range(2)
             ]
+        if header.kind != kind:
+            self._fail(transfer, ProtocolError(f"expected a {kind!r} transfer, the sender sent {header.kind!r}"))
         return transfer
 
-    def _buckets(self, transfer: _Transfer) -> Iterator[tuple[BucketHeader, torch.Tensor]]:
-        """Each bucket's checked header and buffer; the next bucket is already on its way while one is handled."""
-        while not transfer.finished:
-            yield self._next_bucket(transfer, check=True)
+    def _post_control(self, transfer: _Transfer) -> None:
+        transfer.control = torch.empty(2, dtype=torch.int64, device=self.channel.device)
+        transfer.pending = self.channel.broadcast(transfer.control)
 
-    def _next_bucket(self, transfer: _Transfer, *, check: bool) -> tuple[BucketHeader, torch.Tensor]:
-        """Receive the next bucket and post the one after it (before checking, so a failed check can still drain)."""
-        version, index = transfer.header.version, transfer.next_index
+    def _next_bucket(
+        self, transfer: _Transfer, *, check: bool
+    ) -> tuple[BucketHeader, torch.Tensor, list[torch.Tensor]]:
+        """Receive the next bucket: its header, packed payload and direct entries (already in their destinations).
+        The next bucket's control message is posted before anything is checked, so a failed check can still drain."""
+        version, index, bucket_bytes = transfer.header.version, transfer.next_index, transfer.header.bucket_bytes
         if transfer.pending is None:
-            transfer.pending = self.channel.broadcast(self._buffers[index % 2])
-        self.channel.wait(transfer.pending, f"version {version}: bucket {index}")
+            self._post_control(transfer)
+        what = f"version {version}: bucket {index}"
+        self.channel.wait(transfer.pending, what)
         transfer.pending = None
-        buffer = self._buffers[index % 2]
+        header_bytes, payload_bytes = (int(v) for v in transfer.control.tolist())
         try:
-            bucket = BucketHeader.decode(buffer)
+            if not 0 < header_bytes <= MAX_HEADER_BYTES:
+                raise ProtocolError(f"{what}: header length {header_bytes} out of range")
+            raw = torch.empty(header_bytes, dtype=torch.uint8, device=self.channel.device)
+            self.channel.wait(self.channel.broadcast(raw), what)
+            bucket = BucketHeader.decode(raw.cpu().numpy().tobytes(), payload_bytes, bucket_bytes)
             if bucket.index != index:
                 raise ProtocolError(f"version {version}: expected bucket {index}, got {bucket.index}")
         except ProtocolError:
             transfer.finished = True  # the stream cannot be followed any further
             raise
+        payload = self._buffers[index % 2][:payload_bytes]
+        works = [self.channel.broadcast(payload)] if payload_bytes else []
+        direct = [self._landing(transfer, entry, check) for entry in bucket.direct]
+        works += [self.channel.broadcast(part) for part in direct if part.numel()]
         transfer.finished = bucket.last or bucket.abort is not None
         transfer.next_index += 1
         if not transfer.finished:
-            transfer.pending = self.channel.broadcast(self._buffers[transfer.next_index % 2])
+            self._post_control(transfer)
+        for work in works:
+            self.channel.wait(work, what)
         if check:
             if bucket.abort is not None:
                 raise TransferError(f"version {version}: the sender aborted: {bucket.abort}")
-            self._check_bucket(transfer, bucket, buffer)
-        return bucket, buffer
+            if transfer.header.verify and bucket.checksums != [checksum(payload), *(checksum(p) for p in direct)]:
+                raise TransferError(f"version {version}: bucket {index} is corrupted (checksum)")
+            self._check_entries(transfer, bucket)
+        return bucket, payload, direct
 
-    def _check_bucket(self, transfer: _Transfer, bucket: BucketHeader, buffer: torch.Tensor) -> None:
-        header = transfer.header
-        if header.verify:
-            used = align(max((e.offset + e.length for e in bucket.entries), default=0))
-            got = checksum(buffer[bucket.payload_offset : bucket.payload_offset + used])
-            if got != bucket.checksum:
-                raise TransferError(f"version {header.version}: bucket {bucket.index} is corrupted (checksum)")
-        for entry in bucket.entries:
+    def _landing(self, transfer: _Transfer, entry: Entry, check: bool) -> torch.Tensor:
+        """Where a direct entry's bytes are received: the consumer's destination, or a tensor being assembled."""
+        if not check:  # draining: the bytes are thrown away
+            return self._buffers[0][: entry.length]
+        if transfer.destination is not None:
+            landed = transfer.destination(entry)
+            if landed is not None:
+                return landed
+        if entry.start == 0:
+            transfer.assembling[entry.spec.name] = torch.empty(
+                entry.spec.nbytes, dtype=torch.uint8, device=self.channel.device
+            )
+        assembly = transfer.assembling.get(entry.spec.name)
+        if assembly is None:
+            raise ProtocolError(f"version {transfer.header.version}: {entry.spec.name!r} continues without a start")
+        return assembly[entry.start : entry.start + entry.length]
+
+    def _check_entries(self, transfer: _Transfer, bucket: BucketHeader) -> None:
+        version = transfer.header.version
+        for entry in bucket.entries + bucket.direct:
             spec = entry.spec
             if transfer.manifest_index and transfer.manifest_index.get(spec.name) != spec:
-                raise ProtocolError(f"version {header.version}: {spec.name!r} ({spec}) is not in the manifest as sent")
+                raise ProtocolError(f"version {version}: {spec.name!r} ({spec}) is not in the manifest as sent")
             if transfer.split is not None:
                 expected, next_byte = transfer.split
                 if spec != expected or entry.start != next_byte:
-                    raise ProtocolError(f"version {header.version}: split tensor {expected.name!r} interrupted")
+                    raise ProtocolError(f"version {version}: split tensor {expected.name!r} interrupted")
             elif entry.start != 0:
-                raise ProtocolError(f"version {header.version}: {spec.name!r} starts mid-tensor")
+                raise ProtocolError(f"version {version}: {spec.name!r} starts mid-tensor")
             transfer.split = None if entry.completes else (spec, entry.start + entry.length)
             transfer.received += entry.completes
 
-    def _tensors(self, transfer: _Transfer, *, finish: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """The transfer's tensors: views into the bucket for whole ones, reassembled copies for split ones."""
+    def _tensors(self, transfer: _Transfer, *, finish: bool = True) -> Iterator[tuple[str, torch.Tensor | None, str]]:
+        """`(name, tensor, kind)` of the transfer, in order. kind VIEW: a view into the reused bucket buffer (whole
+        packed tensors); OWNED: a tensor of its own (reassembled, or received direct); LANDED: received straight into
+        the consumer's destination (tensor None)."""
         done = False
         try:
-            assembling: torch.Tensor | None = None
-            for bucket, buffer in self._buckets(transfer):
-                payload = buffer[bucket.payload_offset :]
+            while not transfer.finished:
+                bucket, payload, _ = self._next_bucket(transfer, check=True)
                 for entry in bucket.entries:
                     data = payload[entry.offset : entry.offset + entry.length]
                     if entry.whole:
-                        yield entry.spec.name, _as_tensor(data, entry.spec)
+                        yield entry.spec.name, _as_tensor(data, entry.spec), VIEW
                         continue
                     if entry.start == 0:
-                        assembling = torch.empty(entry.spec.nbytes, dtype=torch.uint8, device=buffer.device)
-                    assembling[entry.start : entry.start + entry.length].copy_(data)
+                        transfer.assembling[entry.spec.name] = torch.empty(
+                            entry.spec.nbytes, dtype=torch.uint8, device=data.device
+                        )
+                    transfer.assembling[entry.spec.name][entry.start : entry.start + entry.length].copy_(data)
                     if entry.completes:
-                        yield entry.spec.name, _as_tensor(assembling, entry.spec)
-                        assembling = None
+                        yield entry.spec.name, _as_tensor(transfer.assembling.pop(entry.spec.name), entry.spec), OWNED
+                for entry in bucket.direct:
+                    if entry.completes:
+                        assembly = transfer.assembling.pop(entry.spec.name, None)
+                        if assembly is not None:
+                            yield entry.spec.name, _as_tensor(assembly, entry.spec), OWNED
+                        else:
+                            yield entry.spec.name, None, LANDED
             done = True
         finally:
             if not done:
@@ -257,15 +304,26 @@ class BucketReceiver:
                     f"version {header.version} does not fit the target, nothing applied: " + "; ".join(problems)
                 ),
             )
-        applied: list[str] = []
+        touched: list[str] = []
+
+        def into_the_parameter(entry: Entry) -> torch.Tensor | None:
+            target = targets[entry.spec.name]
+            if not target.is_contiguous() or target.device != self.channel.device:
+                return None
+            if entry.start == 0:
+                touched.append(entry.spec.name)  # its bytes start changing now
+            return target.detach().reshape(-1).view(torch.uint8)[entry.start : entry.start + entry.length]
+
+        transfer.destination = into_the_parameter
         try:
             with torch.no_grad():
-                for name, tensor in self._tensors(transfer, finish=False):
-                    targets[name].copy_(tensor)
-                    applied.append(name)
-            self._finish(transfer)
+                for name, tensor, kind in self._tensors(transfer, finish=False):
+                    if kind != LANDED:
+                        targets[name].copy_(tensor)
+                        touched.append(name)
         except TransferError as e:
-            raise PartialLoadError(str(e), applied) from e
+            raise PartialLoadError(str(e), touched) from e
+        self._finish(transfer)
         return header.version
 
 

@@ -1,7 +1,9 @@
-"""`BucketSender`: stream named tensors to every other rank of a group, packed into fixed-size buckets.
+"""`BucketSender`: stream named tensors to every other rank of a group, in buckets.
 
-Two bucket buffers alternate: bucket k+1 is packed (and the input iterator — e.g. `iter_merged_weights`, which
-computes merges — advanced) while bucket k is in flight.
+Small tensors are packed into a bucket buffer; large ones (at least 1/8 of a bucket) are broadcast straight from
+their own memory in chunks of at most a bucket, so they are never copied. Two bucket slots alternate: bucket k+1 is
+packed (and the input iterator — e.g. `iter_merged_weights`, which computes merges — advanced) while bucket k is in
+flight.
 """
 
 import time
@@ -20,12 +22,11 @@ from lorarl.weight_sync.protocol import (
     TransferHeader,
     align,
     checksum,
-    payload_start,
-    write_header,
 )
 from lorarl.weight_sync.transport import Channel
 
 DEFAULT_BUCKET_BYTES = 64 << 20  # chosen by benchmarks/sync_throughput.py (see the package README)
+DEFAULT_DIRECT_BYTES = 1 << 20  # tensors this large are sent from their own memory rather than packed
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
 
@@ -43,7 +44,8 @@ class SyncStats:
 
 
 class BucketSender:
-    """The sending side (rank `src` of `group`). `bucket_bytes` per broadcast; `verify` adds per-bucket checksums."""
+    """The sending side (rank `src` of `group`). Broadcasts carry at most `bucket_bytes`; tensors of at least
+    `direct_bytes` are sent from their own memory; `verify` adds checksums."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class BucketSender:
         device: torch.device | str | None = None,
         timeout: float = 300.0,
         verify: bool = False,
+        direct_bytes: int = DEFAULT_DIRECT_BYTES,
     ):
         self.channel = Channel(group, src, device, timeout)
         if self.channel.rank != src:
@@ -61,6 +64,7 @@ class BucketSender:
         if bucket_bytes < 4 * ALIGN + 4096:
             raise ValueError(f"bucket_bytes must be at least {4 * ALIGN + 4096}, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
+        self.direct_bytes = direct_bytes
         self.verify = verify
         self._buffers: list[torch.Tensor] = []
 
@@ -80,107 +84,126 @@ class BucketSender:
             pairs = list(named_tensors)
         else:
             pairs = named_tensors
-        if manifest is None and isinstance(pairs, list):
+        own_manifest = manifest is None and isinstance(pairs, list)
+        if own_manifest:
             manifest = [TensorSpec.of(name, tensor) for name, tensor in pairs]
         manifest = [TensorSpec.coerce(spec) for spec in manifest] if manifest is not None else None
         header = TransferHeader(version, "weights", self.bucket_bytes, self.verify, manifest)
-        return self._transfer(header, pairs)
+        return self._transfer(header, pairs, trusted_manifest=own_manifest)
 
     def send_adapter(self, tensors: Mapping[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
         """Send only a LoRA adapter (its tensors and peft config), for engines that serve it unmerged."""
         manifest = [TensorSpec.of(name, tensor) for name, tensor in tensors.items()]
         header = TransferHeader(version, "adapter", self.bucket_bytes, self.verify, manifest, adapter_config=config)
-        return self._transfer(header, tensors.items())
+        return self._transfer(header, tensors.items(), trusted_manifest=True)
 
-    def _transfer(self, header: TransferHeader, pairs: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+    def _transfer(
+        self, header: TransferHeader, pairs: Iterable[tuple[str, torch.Tensor]], *, trusted_manifest: bool = False
+    ) -> SyncStats:
         started = time.perf_counter()
         channel = self.channel
         channel.broadcast_bytes(header.encode(), f"version {header.version}: transfer header")
         if len(self._buffers) != 2 or self._buffers[0].device != channel.device:
             self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=channel.device) for _ in range(2)]
-        in_flight: list[dist.Work | None] = [None, None]
+        slots: list[list[tuple[dist.Work, torch.Tensor]]] = [[], []]  # in-flight broadcasts and what they read
         stats = SyncStats(header.version, 0, 0, 0, 0.0)
-        buckets = _Packer(self.bucket_bytes, header.manifest).buckets(pairs)
         try:
-            for bucket, parts in buckets:
-                slot = bucket.index % 2
-                if in_flight[slot] is not None:
-                    channel.wait(in_flight[slot], f"version {header.version}: bucket {bucket.index - 2}")
-                self._pack(self._buffers[slot], bucket, parts)
-                in_flight[slot] = channel.broadcast(self._buffers[slot])
+            packer = _Packer(self.bucket_bytes, self.direct_bytes, header.manifest, trusted_manifest)
+            for bucket, packed, direct in packer.buckets(pairs):
+                slot = slots[bucket.index % 2]
+                self._drain(slot, f"version {header.version}: bucket {bucket.index - 2}")
+                slot += self._launch(self._buffers[bucket.index % 2], bucket, packed, direct)
                 stats.buckets += 1
-                stats.bytes += sum(e.length for e in bucket.entries)
-                stats.tensors += sum(e.completes for e in bucket.entries)
+                stats.bytes += sum(e.length for e in bucket.entries + bucket.direct)
+                stats.tensors += sum(e.completes for e in bucket.entries + bucket.direct)
         except TransferError:
             raise
         except Exception as error:  # the input failed (e.g. a merge raised): tell the receivers, then re-raise
-            for work in in_flight:
-                if work is not None:
-                    channel.wait(work, f"version {header.version}: bucket before abort")
+            for slot in slots:
+                self._drain(slot, f"version {header.version}: bucket before abort")
             abort = BucketHeader(stats.buckets, last=True, abort=f"{type(error).__name__}: {error}")
-            write_header(self._buffers[0], abort)
-            channel.wait(channel.broadcast(self._buffers[0]), f"version {header.version}: abort notice")
+            self._drain(self._launch(self._buffers[0], abort, [], []), f"version {header.version}: abort notice")
             channel.agree_failed(True, f"version {header.version}: status")
             raise
-        for index, work in enumerate(in_flight):
-            if work is not None:
-                channel.wait(work, f"version {header.version}: final buckets ({index})")
+        for slot in slots:
+            self._drain(slot, f"version {header.version}: last buckets")
         if channel.agree_failed(False, f"version {header.version}: status"):
             raise TransferError(f"a receiver failed to apply version {header.version} (see its own error)")
         stats.seconds = time.perf_counter() - started
         return stats
 
-    def _pack(self, buffer: torch.Tensor, bucket: BucketHeader, parts: list[torch.Tensor]) -> None:
-        for entry, part in zip(bucket.entries, parts, strict=True):
-            start = bucket.payload_offset + entry.offset
-            buffer[start : start + entry.length].copy_(part)
+    def _launch(
+        self, buffer: torch.Tensor, bucket: BucketHeader, packed: list[torch.Tensor], direct: list[torch.Tensor]
+    ) -> list[tuple[dist.Work, torch.Tensor]]:
+        """Pack the small tensors into `buffer`, then start the bucket's broadcasts (asynchronously, in order)."""
+        for entry, part in zip(bucket.entries, packed, strict=True):
+            buffer[entry.offset : entry.offset + entry.length].copy_(part)
+        payload = buffer[: bucket.payload_bytes]
         if self.verify:
-            used = align(max((e.offset + e.length for e in bucket.entries), default=0))
-            bucket.checksum = checksum(buffer[bucket.payload_offset : bucket.payload_offset + used])
-        write_header(buffer, bucket)
+            bucket.checksums = [checksum(payload), *(checksum(part) for part in direct)]
+        raw = bucket.encode()
+        device = self.channel.device
+        control = torch.tensor([len(raw), payload.numel()], dtype=torch.int64, device=device)
+        header = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+        messages = [control, header, *([payload] if payload.numel() else []), *direct]
+        return [(self.channel.broadcast(message), message) for message in messages]
+
+    def _drain(self, slot: list[tuple[dist.Work, torch.Tensor]], what: str) -> None:
+        for work, _ in slot:
+            self.channel.wait(work, what)
+        slot.clear()
 
 
 class _Packer:
-    """Cuts a stream of tensors into buckets: whole tensors where they fit, byte ranges of big ones otherwise."""
+    """Cuts a stream of tensors into buckets: small tensors packed (split where a bucket fills up), large ones as
+    direct chunks of at most a bucket each. A `trusted` manifest was made from the very tensors sent."""
 
-    def __init__(self, bucket_bytes: int, manifest: list[TensorSpec] | None):
+    def __init__(self, bucket_bytes: int, direct_bytes: int, manifest: list[TensorSpec] | None, trusted: bool = False):
         self.capacity = bucket_bytes
+        self.direct_from = min(direct_bytes, bucket_bytes)
         self.manifest = manifest
+        self.trusted = trusted
 
     def buckets(self, pairs: Iterable[tuple[str, torch.Tensor]]):
-        """Yields `(BucketHeader, parts)`: `parts[i]` is the uint8 view holding `entries[i]`'s bytes."""
-        index, entries, parts, used = 0, [], [], 0
+        """Yields `(BucketHeader, packed parts, direct parts)`: uint8 views holding each entry's bytes."""
+        index, entries, packed, used = 0, [], [], 0
         count = 0
         for name, tensor in pairs:
             spec = self._check(count, name, tensor)
             count += 1
             raw = _bytes_of(tensor)
+            if raw.numel() >= self.direct_from:
+                if entries:  # what is packed so far goes first, so the order of tensors is kept
+                    yield BucketHeader(index, False, entries), packed, []
+                    index, entries, packed, used = index + 1, [], [], 0
+                for start in range(0, raw.numel(), self.capacity):
+                    take = min(self.capacity, raw.numel() - start)
+                    yield BucketHeader(index, False, [], [Entry(spec, start, take, 0)]), [], [raw[start : start + take]]
+                    index += 1
+                continue
             start = 0
             while True:
                 offset = align(used)
-                room = self.capacity - payload_start(BucketHeader.size_bound([*entries, Entry(spec, 0, 0, 0)])) - offset
                 rest = raw.numel() - start
+                room = self.capacity - offset
                 if room < min(rest, ALIGN) or (room <= 0 and rest == 0):
-                    if not entries:
-                        raise ValueError(f"bucket_bytes={self.capacity} cannot hold even the header of {name!r}")
-                    yield self._bucket(index, False, entries), parts
-                    index, entries, parts, used = index + 1, [], [], 0
+                    yield BucketHeader(index, False, entries), packed, []
+                    index, entries, packed, used = index + 1, [], [], 0
                     continue
                 take = min(rest, room)
                 entries.append(Entry(spec, start, take, offset))
-                parts.append(raw[start : start + take])
+                packed.append(raw[start : start + take])
                 used = offset + take
                 start += take
                 if start == raw.numel():
                     break
         if self.manifest is not None and count != len(self.manifest):
             raise ValueError(f"the input yielded {count} tensors but the manifest lists {len(self.manifest)}")
-        yield self._bucket(index, True, entries), parts
-
-    def _bucket(self, index: int, last: bool, entries: list[Entry]) -> BucketHeader:
-        return BucketHeader(index, last, payload_start(BucketHeader.size_bound(entries)), entries)
+        yield BucketHeader(index, True, entries), packed, []
 
     def _check(self, count: int, name: str, tensor: torch.Tensor) -> TensorSpec:
+        if self.trusted:
+            return self.manifest[count]
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(
                 f"named_tensors must yield (str, Tensor) pairs, got ({type(name).__name__}, {type(tensor).__name__})"

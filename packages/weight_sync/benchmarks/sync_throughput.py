@@ -1,0 +1,147 @@
+"""Weight-sync throughput between two processes: one JSON object per case, ratios against same-run baselines.
+
+Payloads: a Qwen2-0.5B-shaped state dict in bf16 (~1 GB, 290 tensors) and 10,000 small fp32 tensors (~40 MB).
+Per case (payload, bucket size):
+  seconds / gbps          median time of `BucketSender.send` (sender side, until every receiver applied it:
+                          transfer header, buckets, final status), tensor bytes / seconds
+  ratio_to_raw            time of one `broadcast` of a single preallocated buffer of the same total size / seconds
+  speedup_vs_per_tensor   time of broadcasting tensor by tensor (as TRL/OpenRLHF do) / seconds
+The receiver iterates the received tensors (views) without copying them anywhere, like the raw baseline.
+
+    uv run python packages/weight_sync/benchmarks/sync_throughput.py [--quick] [--backend gloo|nccl]
+"""
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from lorarl.weight_sync import BucketReceiver, BucketSender, create_sync_group, free_port
+
+MB = 1 << 20
+
+
+def qwen2_half_b_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of Qwen2.5-0.5B's state dict (tied embeddings: lm_head is sent under its own name too)."""
+    hidden, inter, kv, vocab = 896, 4864, 128, 151936
+    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(24):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", (hidden, hidden)), (p + "self_attn.q_proj.bias", (hidden,)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)), (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.v_proj.bias", (kv,)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+            (p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,)),
+        ]  # fmt: skip
+    return [*shapes, ("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def payload(kind: str, device: torch.device) -> dict[str, torch.Tensor]:
+    if kind == "qwen2-0.5b-bf16":
+        return {name: torch.randn(shape, device=device).bfloat16() for name, shape in qwen2_half_b_shapes()}
+    sizes = torch.randint(64, 1984, (10_000,), generator=torch.Generator().manual_seed(0))
+    return {f"small.{i}": torch.randn(int(n), device=device) for i, n in enumerate(sizes)}
+
+
+def timed(group: dist.ProcessGroup, fn) -> float:
+    """Seconds of fn() on this rank, all ranks starting together (a barrier by all-reduce)."""
+    flag = torch.zeros(1, device=device_of(group))
+    group.allreduce([flag]).wait()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def device_of(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if group.name() == "nccl" else torch.device("cpu")
+
+
+def broadcast(group, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def per_tensor(group, tensors: dict[str, torch.Tensor]) -> None:
+    for tensor in tensors.values():
+        broadcast(group, tensor)
+
+
+def bucketed(sender: BucketSender | None, receiver: BucketReceiver | None, tensors: dict[str, torch.Tensor]) -> None:
+    if sender is not None:
+        sender.send(tensors, version=1)
+    else:
+        for _ in receiver.receive():
+            pass
+
+
+def run(rank: int, port: int, backend: str, quick: bool, results) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    group = create_sync_group("127.0.0.1", port, 2, rank, backend=backend, timeout=600)
+    device = device_of(group)
+    repeats = 3 if quick else 5
+    bucket_sizes = [16, 64, 256]
+    for kind in ("qwen2-0.5b-bf16", "10k-small-fp32"):
+        tensors = (
+            payload(kind, device) if rank == 0 else {n: torch.empty_like(t) for n, t in payload(kind, device).items()}
+        )
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        raw = torch.empty(total, dtype=torch.uint8, device=device)
+        sender = {b: BucketSender(group, bucket_bytes=b * MB) for b in bucket_sizes} if rank == 0 else None
+        receiver = {b: BucketReceiver(group) for b in bucket_sizes} if rank == 1 else None  # one per size, as real use
+
+        times = {"raw": [], "per_tensor": [], **{b: [] for b in bucket_sizes}}
+        for _ in range(repeats):  # every measurement in turn, so drift hits all alike
+            times["raw"].append(timed(group, functools.partial(broadcast, group, raw)))
+            times["per_tensor"].append(timed(group, functools.partial(per_tensor, group, tensors)))
+            for b in bucket_sizes:
+                times[b].append(
+                    timed(group, functools.partial(bucketed, sender and sender[b], receiver and receiver[b], tensors))
+                )
+        if rank == 0:
+            median = {k: statistics.median(v) for k, v in times.items()}
+            for b in bucket_sizes:
+                results.put({
+                    "payload": kind, "backend": backend, "tensors": len(tensors), "bytes": total, "bucket_mb": b,
+                    "seconds": round(median[b], 4), "gbps": round(total / median[b] / 1e9, 3),
+                    "ratio_to_raw": round(median["raw"] / median[b], 3),
+                    "speedup_vs_per_tensor": round(median["per_tensor"] / median[b], 2),
+                    "raw_seconds": round(median["raw"], 4), "per_tensor_seconds": round(median["per_tensor"], 4),
+                })  # fmt: skip
+        del tensors, raw
+    results.put(None if rank == 0 else "done")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=run, args=(r, port, args.backend, args.quick, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    finished = 0
+    while finished < 2:
+        item = results.get(timeout=1800)
+        if item is None or item == "done":
+            finished += 1
+        else:
+            print(json.dumps(item), flush=True)
+    for p in procs:
+        p.join()
+
+
+if __name__ == "__main__":
+    main()
