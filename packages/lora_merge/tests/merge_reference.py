@@ -29,10 +29,11 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def assert_merged_close(got, weight, lora_A, lora_B, scale, fan_in_fan_out=False):
-    """bf16: within 1 ulp of the correctly rounded value. fp16: the same, except where cancellation makes the fp32
-    accumulation error (which the contract allows: (r + 2) fp32 epsilons of the terms) larger than an ulp of the tiny
-    result. fp32: within 1e-6 relative to the terms' magnitude (elementwise relative error is meaningless where the
-    terms cancel)."""
+    """bf16/fp16: within 1 ulp of the correctly rounded value — except where the terms cancel (|W + s·BA| far below
+    |W| + |s|·|B||A|): there the fp32 accumulation the contract specifies is off by up to (r + 2) fp32 epsilons of
+    the terms, more than an ulp of the tiny result, for every fp32-accumulating implementation (torch's included).
+    fp32: within 1e-6 relative to the terms' magnitude (elementwise relative error is meaningless where they cancel).
+    """
     exact = merged_float64(weight, lora_A, lora_B, scale, fan_in_fan_out)
     size = magnitude(weight, lora_A, lora_B, scale, fan_in_fan_out)
     error = (got.double() - exact).abs()
@@ -40,10 +41,11 @@ def assert_merged_close(got, weight, lora_A, lora_B, scale, fan_in_fan_out=False
         assert (error <= 1e-6 * size).all(), f"max relative error {(error / size).max().item()}"
         return
     rounded = exact.to(got.dtype).double()
-    off = (got.double() - rounded).abs()
-    within_ulp = off <= ulp(rounded, got.dtype)
-    if got.dtype == torch.bfloat16:
-        assert within_ulp.all(), f"{int((~within_ulp).sum())} elements more than 1 ulp off, max {off.max().item()}"
-        return
+    within_ulp = (got.double() - rounded).abs() <= ulp(rounded, got.dtype)
     accumulation = (lora_A.shape[0] + 2) * 2.0**-24 * size
-    assert (within_ulp | (error <= 0.5 * ulp(rounded, got.dtype) + accumulation)).all()
+    within_accumulation = error <= 0.5 * ulp(rounded, got.dtype) + accumulation
+    cancelling = exact.abs() < 2.0**-8 * size  # the result is 256x smaller than the terms
+    assert (within_ulp | (cancelling & within_accumulation)).all(), (
+        f"{int((~within_ulp).sum())} elements more than 1 ulp off, "
+        f"{int((~within_ulp & ~cancelling).sum())} of them without cancellation"
+    )

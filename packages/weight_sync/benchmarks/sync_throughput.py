@@ -6,7 +6,8 @@ Per case (payload, bucket size):
                           transfer header, buckets, final status), tensor bytes / seconds
   ratio_to_raw            time of one `broadcast` of a single preallocated buffer of the same total size / seconds
   speedup_vs_per_tensor   time of broadcasting tensor by tensor (as TRL/OpenRLHF do) / seconds
-The receiver iterates the received tensors (views) without copying them anywhere, like the raw baseline.
+The receiver loads into preallocated tensors of the same names (`load_into` a module, as a rollout engine does),
+like the baselines, which also receive into preallocated memory.
 
     uv run python packages/weight_sync/benchmarks/sync_throughput.py [--quick] [--backend gloo|nccl]
 """
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lorarl.weight_sync import BucketReceiver, BucketSender, create_sync_group, free_port
+from lorarl.weight_sync.sender import DEFAULT_DIRECT_BYTES
 
 MB = 1 << 20
 
@@ -75,15 +77,25 @@ def per_tensor(group, tensors: dict[str, torch.Tensor]) -> None:
         broadcast(group, tensor)
 
 
+class Engine(torch.nn.Module):
+    """Stands for a rollout engine's model: preallocated tensors under the sent names."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.tensors = tensors
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
 def bucketed(sender: BucketSender | None, receiver: BucketReceiver | None, tensors: dict[str, torch.Tensor]) -> None:
     if sender is not None:
         sender.send(tensors, version=1)
     else:
-        for _ in receiver.receive():
-            pass
+        receiver.load_into(Engine(tensors))
 
 
-def run(rank: int, port: int, backend: str, quick: bool, results) -> None:
+def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, results) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
     group = create_sync_group("127.0.0.1", port, 2, rank, backend=backend, timeout=600)
@@ -96,7 +108,12 @@ def run(rank: int, port: int, backend: str, quick: bool, results) -> None:
         )
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         raw = torch.empty(total, dtype=torch.uint8, device=device)
-        sender = {b: BucketSender(group, bucket_bytes=b * MB) for b in bucket_sizes} if rank == 0 else None
+        direct = int(direct_mb * MB)
+        sender = (
+            {b: BucketSender(group, bucket_bytes=b * MB, direct_bytes=direct) for b in bucket_sizes}
+            if rank == 0
+            else None
+        )
         receiver = {b: BucketReceiver(group) for b in bucket_sizes} if rank == 1 else None  # one per size, as real use
 
         times = {"raw": [], "per_tensor": [], **{b: [] for b in bucket_sizes}}
@@ -112,6 +129,7 @@ def run(rank: int, port: int, backend: str, quick: bool, results) -> None:
             for b in bucket_sizes:
                 results.put({
                     "payload": kind, "backend": backend, "tensors": len(tensors), "bytes": total, "bucket_mb": b,
+                    "direct_mb": direct_mb,
                     "seconds": round(median[b], 4), "gbps": round(total / median[b] / 1e9, 3),
                     "ratio_to_raw": round(median["raw"] / median[b], 3),
                     "speedup_vs_per_tensor": round(median["per_tensor"] / median[b], 2),
@@ -125,11 +143,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--direct-mb", type=float, default=DEFAULT_DIRECT_BYTES / MB, help="direct_bytes, in MB")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=run, args=(r, port, args.backend, args.quick, results)) for r in range(2)]
+    procs = [
+        ctx.Process(target=run, args=(r, port, args.backend, args.quick, args.direct_mb, results)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     finished = 0

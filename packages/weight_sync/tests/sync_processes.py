@@ -10,10 +10,12 @@ from collections.abc import Callable
 from lorarl.weight_sync import create_sync_group, free_port
 
 
-def _child(fn: Callable, rank: int, world: int, port: int, timeout: float, results) -> None:
+def _child(fn: Callable, rank: int, world: int, port: int, timeout: float, results, join: bool) -> None:
     try:
-        group = create_sync_group("127.0.0.1", port, world, rank, timeout=timeout)
-        results.put((rank, "ok", fn(group, rank)))
+        if join:
+            results.put((rank, "ok", fn(create_sync_group("127.0.0.1", port, world, rank, timeout=timeout), rank)))
+        else:
+            results.put((rank, "ok", fn(port, rank)))
     except BaseException as e:
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
@@ -24,8 +26,10 @@ def run_group(
     timeout: float = 20.0,
     deadline: float = 120.0,
     kill: dict[int, Callable[[], bool]] | None = None,
+    join: bool = True,
 ) -> dict[int, tuple[str, object]]:
-    """Start `fns[r](group, r)` as rank r of one group (use functools.partial for more arguments);
+    """Start `fns[r](group, r)` as rank r of one group (use functools.partial for more arguments), or with
+    `join=False` `fns[r](port, r)` for processes that join the group on `port` themselves;
     `kill={rank: condition}` SIGKILLs that rank as soon as `condition()` (checked here) is true.
 
     Returns {rank: ("ok", value) | ("error", text) | ("killed", None)}; any process still running after `deadline`
@@ -34,7 +38,9 @@ def run_group(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, len(fns), port, timeout, results)) for r, fn in enumerate(fns)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, len(fns), port, timeout, results, join)) for r, fn in enumerate(fns)
+    ]
     for p in procs:
         p.start()
     started = time.monotonic()

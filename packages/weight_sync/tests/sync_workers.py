@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lorarl.weight_sync import BucketReceiver, BucketSender, TensorSpec
-from lorarl.weight_sync.protocol import TransferHeader
+from lorarl.weight_sync.protocol import CONTROL_BYTES, TransferHeader
 
 SMALL_BUCKET = 16 << 10
 
@@ -101,15 +101,19 @@ def send_failing_input(group, rank):
 
 
 def send_corrupted(group, rank):
-    sender = BucketSender(group, bucket_bytes=SMALL_BUCKET, verify=True)
+    sender = BucketSender(group, bucket_bytes=SMALL_BUCKET, verify=True, direct_bytes=SMALL_BUCKET // 8)
     broadcast = sender.channel.broadcast
-    sent = []
+    seen = {"controls": 0, "since_control": 0}
 
     def flip_a_byte_on_the_wire(tensor):  # fault injection: after the checksums were computed
-        sent.append(tensor.numel())
-        if len(sent) == 8 and tensor.numel() > 200:
+        if tensor.numel() == CONTROL_BYTES:  # a bucket's control message (with its header inline)
+            seen["controls"] += 1
+            seen["since_control"] = 0
+        else:
+            seen["since_control"] += 1
+        if seen["controls"] == 2 and seen["since_control"] == 1:  # bucket 1's first data message
             tensor = tensor.clone()
-            tensor[100] ^= 1
+            tensor[tensor.numel() // 2] ^= 1
         return broadcast(tensor)
 
     sender.channel.broadcast = flip_a_byte_on_the_wire

@@ -6,12 +6,14 @@ tensor's name, dtype and shape, when the sender knows it up front) — so a rece
 before it applies a single byte.
 
 Each bucket is up to four kinds of broadcast, in order:
-  control   int64[2]: the bucket header's length and the packed payload's length
-  header    JSON: index, last, abort notice, the packed entries (tensor or byte range of one, with its offset in the
-            payload, aligned to 64), the direct entries, checksums
+  control   64 KiB: the header's length, the packed payload's length (8-byte little-endian each), then the header
+            — JSON: index, last, abort notice, checksums, and the entries in the order sent, each a tensor or a byte
+            range of one, either packed (with its offset in the payload, aligned to 64) or direct
+  overflow  only for a header longer than the control message holds: the rest of it
   payload   the packed small tensors, exactly as long as announced (nothing when no tensor was packed)
-  direct    one broadcast per direct entry: a byte range (at most a bucket) of a large tensor, sent from the tensor's
-            own memory and received straight into its destination — no packing copy on either side
+  direct    one broadcast per direct entry, in order: a byte range of a large tensor sent from the tensor's own memory
+            and received straight into its destination — no packing copy on either side
+A bucket carries at most `bucket_bytes` in all (payload plus direct entries).
 The transfer ends with an all-reduce (MAX) of every rank's failure flag, so the sender learns whether all applied it.
 """
 
@@ -23,6 +25,8 @@ import torch
 
 PROTOCOL_VERSION = 1
 ALIGN = 64
+CONTROL_BYTES = 64 << 10
+INLINE_HEADER_BYTES = CONTROL_BYTES - 16
 
 DTYPES = {
     str(dtype).removeprefix("torch."): dtype
@@ -83,12 +87,13 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Entry:
-    """Bytes `[start, start + length)` of tensor `spec`, at `offset` in the bucket's payload."""
+    """Bytes `[start, start + length)` of tensor `spec`: at `offset` in the bucket's payload, or `direct`."""
 
     spec: TensorSpec
     start: int
     length: int
-    offset: int
+    offset: int = 0
+    direct: bool = False
 
     @property
     def completes(self) -> bool:
@@ -140,24 +145,30 @@ class TransferHeader:
 class BucketHeader:
     index: int
     last: bool
-    entries: list[Entry] = field(default_factory=list)  # packed into the payload
-    direct: list[Entry] = field(default_factory=list)  # sent as broadcasts of their own, after the payload
+    entries: list[Entry] = field(default_factory=list)  # in the order sent: packed into the payload, or direct
     checksums: list[list[int]] | None = None  # the payload's, then each direct entry's
     abort: str | None = None
 
     @property
+    def packed(self) -> list[Entry]:
+        return [e for e in self.entries if not e.direct]
+
+    @property
+    def direct(self) -> list[Entry]:
+        return [e for e in self.entries if e.direct]
+
+    @property
     def payload_bytes(self) -> int:
-        return align(max((e.offset + e.length for e in self.entries), default=0))
+        return align(max((e.offset + e.length for e in self.packed), default=0))
 
     def encode(self) -> bytes:
-        def rows(entries):
-            return [[e.spec.name, e.spec.dtype, list(e.spec.shape), e.start, e.length, e.offset] for e in entries]
-
+        rows = [
+            [e.spec.name, e.spec.dtype, list(e.spec.shape), e.start, e.length, e.offset, e.direct] for e in self.entries
+        ]
         body = {
             "index": self.index,
             "last": self.last,
-            "entries": rows(self.entries),
-            "direct": rows(self.direct),
+            "entries": rows,
             "checksums": self.checksums,
             "abort": self.abort,
         }
@@ -168,20 +179,21 @@ class BucketHeader:
         """Parse and check a bucket header against the payload length its control message announced."""
         try:
             data = json.loads(raw)
-
-            def entries(rows):
-                return [Entry(TensorSpec(n, d, tuple(s)), start, size, off) for n, d, s, start, size, off in rows]
-
-            header = cls(data["index"], data["last"], entries(data["entries"]), entries(data["direct"]),
-                         data.get("checksums"), data.get("abort"))  # fmt: skip
+            entries = [
+                Entry(TensorSpec(name, dtype, tuple(shape)), start, size, offset, bool(direct))
+                for name, dtype, shape, start, size, offset, direct in data["entries"]
+            ]
+            header = cls(data["index"], data["last"], entries, data.get("checksums"), data.get("abort"))
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             raise ProtocolError(f"unreadable bucket header ({e})") from None
-        if payload_bytes != header.payload_bytes or payload_bytes > bucket_bytes:
+        if payload_bytes != header.payload_bytes:
             raise ProtocolError(f"bucket {header.index}: payload length {payload_bytes} does not match its entries")
-        for e in header.entries + header.direct:
+        if payload_bytes + sum(e.length for e in header.direct) > bucket_bytes:
+            raise ProtocolError(f"bucket {header.index} carries more than bucket_bytes={bucket_bytes}")
+        for e in header.entries:
             empty_ok = e.length == 0 and e.spec.nbytes == 0
             bad_range = e.start < 0 or (e.length <= 0 and not empty_ok) or e.start + e.length > e.spec.nbytes
-            if e.spec.dtype not in DTYPES or bad_range or e.offset < 0 or e.length > bucket_bytes:
+            if e.spec.dtype not in DTYPES or bad_range or e.offset < 0:
                 raise ProtocolError(f"bucket {header.index}: bad entry for {e.spec.name!r}")
         return header
 

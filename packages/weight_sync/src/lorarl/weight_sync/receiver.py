@@ -12,7 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lorarl.weight_sync.protocol import (
+    CONTROL_BYTES,
     DTYPES,
+    INLINE_HEADER_BYTES,
     BucketHeader,
     Entry,
     ProtocolError,
@@ -70,7 +72,7 @@ class BucketReceiver:
         if self.channel.rank == src:
             raise ValueError(f"BucketReceiver runs on ranks other than src ({src})")
         self.version: int | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._scratch: torch.Tensor | None = None  # the packed payload being received
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the `(name, tensor)` of one transfer of weights, in the order sent.
@@ -92,17 +94,17 @@ class BucketReceiver:
     def load_into(self, target: nn.Module | object, *, strict: bool = True) -> int:
         """Receive one transfer of weights into `target` and return its version.
 
-        An `nn.Module`: each tensor is copied into the parameter or buffer of that name (large ones are received
-        straight into it); unknown names, shape or dtype mismatches — and, with `strict`, names the transfer lacks —
-        raise before anything is applied (checked against the sender's manifest). Any other object must have vLLM's
-        `load_weights(iterable)`; it is given owned tensors, so it may keep them. A failure part-way raises
-        `PartialLoadError` naming what was already applied; the version is then not reported, and the sender
-        learns of the failure.
+        A target with vLLM's `load_weights(iterable)` (a vLLM model: it maps checkpoint names onto its fused,
+        sharded parameters) is given owned tensors, so it may keep them. Any other `nn.Module`: each tensor is copied
+        into the parameter or buffer of that name (large ones are received straight into it); unknown names, shape or
+        dtype mismatches — and, with `strict`, names the transfer lacks — raise before anything is applied (checked
+        against the sender's manifest). A failure part-way raises `PartialLoadError` naming what was already applied;
+        the version is then not reported, and the sender learns of the failure.
         """
         transfer = self._start("weights")
-        if isinstance(target, nn.Module):
-            return self._load_module(transfer, target, strict)
         if not callable(getattr(target, "load_weights", None)):
+            if isinstance(target, nn.Module):
+                return self._load_module(transfer, target, strict)
             self._fail(transfer, TypeError("target must be an nn.Module or have a load_weights(iterable) method"))
         applied: list[str] = []
 
@@ -128,16 +130,18 @@ class BucketReceiver:
         transfer = _Transfer(header)
         if header.manifest is not None:
             transfer.manifest_index = {spec.name: spec for spec in header.manifest}
-        if len(self._buffers) != 2 or self._buffers[0].numel() != header.bucket_bytes:
-            self._buffers = [
-                torch.empty(header.bucket_bytes, dtype=torch.uint8, device=self.channel.device) for _ in range(2)
-            ]
         if header.kind != kind:
             self._fail(transfer, ProtocolError(f"expected a {kind!r} transfer, the sender sent {header.kind!r}"))
         return transfer
 
+    def _payload(self, size: int) -> torch.Tensor:
+        """A receive buffer of at least `size` bytes, reused from transfer to transfer (grown when needed)."""
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8, device=self.channel.device)
+        return self._scratch[:size]
+
     def _post_control(self, transfer: _Transfer) -> None:
-        transfer.control = torch.empty(2, dtype=torch.int64, device=self.channel.device)
+        transfer.control = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.channel.device)
         transfer.pending = self.channel.broadcast(transfer.control)
 
     def _next_bucket(
@@ -151,19 +155,25 @@ class BucketReceiver:
         what = f"version {version}: bucket {index}"
         self.channel.wait(transfer.pending, what)
         transfer.pending = None
-        header_bytes, payload_bytes = (int(v) for v in transfer.control.tolist())
+        control = transfer.control.cpu().numpy().tobytes()
+        header_bytes, payload_bytes = int.from_bytes(control[:8], "little"), int.from_bytes(control[8:16], "little")
         try:
             if not 0 < header_bytes <= MAX_HEADER_BYTES:
                 raise ProtocolError(f"{what}: header length {header_bytes} out of range")
-            raw = torch.empty(header_bytes, dtype=torch.uint8, device=self.channel.device)
-            self.channel.wait(self.channel.broadcast(raw), what)
-            bucket = BucketHeader.decode(raw.cpu().numpy().tobytes(), payload_bytes, bucket_bytes)
+            raw = control[16 : 16 + min(header_bytes, INLINE_HEADER_BYTES)]
+            if header_bytes > INLINE_HEADER_BYTES:
+                overflow = torch.empty(
+                    header_bytes - INLINE_HEADER_BYTES, dtype=torch.uint8, device=self.channel.device
+                )
+                self.channel.wait(self.channel.broadcast(overflow), what)
+                raw += overflow.cpu().numpy().tobytes()
+            bucket = BucketHeader.decode(raw, payload_bytes, bucket_bytes)
             if bucket.index != index:
                 raise ProtocolError(f"version {version}: expected bucket {index}, got {bucket.index}")
         except ProtocolError:
             transfer.finished = True  # the stream cannot be followed any further
             raise
-        payload = self._buffers[index % 2][:payload_bytes]
+        payload = self._payload(payload_bytes)
         works = [self.channel.broadcast(payload)] if payload_bytes else []
         direct = [self._landing(transfer, entry, check) for entry in bucket.direct]
         works += [self.channel.broadcast(part) for part in direct if part.numel()]
@@ -184,7 +194,7 @@ class BucketReceiver:
     def _landing(self, transfer: _Transfer, entry: Entry, check: bool) -> torch.Tensor:
         """Where a direct entry's bytes are received: the consumer's destination, or a tensor being assembled."""
         if not check:  # draining: the bytes are thrown away
-            return self._buffers[0][: entry.length]
+            return self._payload(entry.length)
         if transfer.destination is not None:
             landed = transfer.destination(entry)
             if landed is not None:
@@ -200,7 +210,7 @@ class BucketReceiver:
 
     def _check_entries(self, transfer: _Transfer, bucket: BucketHeader) -> None:
         version = transfer.header.version
-        for entry in bucket.entries + bucket.direct:
+        for entry in bucket.entries:
             spec = entry.spec
             if transfer.manifest_index and transfer.manifest_index.get(spec.name) != spec:
                 raise ProtocolError(f"version {version}: {spec.name!r} ({spec}) is not in the manifest as sent")
@@ -222,6 +232,14 @@ class BucketReceiver:
             while not transfer.finished:
                 bucket, payload, _ = self._next_bucket(transfer, check=True)
                 for entry in bucket.entries:
+                    if entry.direct:
+                        if entry.completes:
+                            assembly = transfer.assembling.pop(entry.spec.name, None)
+                            if assembly is not None:
+                                yield entry.spec.name, _as_tensor(assembly, entry.spec), OWNED
+                            else:
+                                yield entry.spec.name, None, LANDED
+                        continue
                     data = payload[entry.offset : entry.offset + entry.length]
                     if entry.whole:
                         yield entry.spec.name, _as_tensor(data, entry.spec), VIEW
@@ -233,13 +251,6 @@ class BucketReceiver:
                     transfer.assembling[entry.spec.name][entry.start : entry.start + entry.length].copy_(data)
                     if entry.completes:
                         yield entry.spec.name, _as_tensor(transfer.assembling.pop(entry.spec.name), entry.spec), OWNED
-                for entry in bucket.direct:
-                    if entry.completes:
-                        assembly = transfer.assembling.pop(entry.spec.name, None)
-                        if assembly is not None:
-                            yield entry.spec.name, _as_tensor(assembly, entry.spec), OWNED
-                        else:
-                            yield entry.spec.name, None, LANDED
             done = True
         finally:
             if not done:

@@ -1,9 +1,9 @@
 """`BucketSender`: stream named tensors to every other rank of a group, in buckets.
 
-Small tensors are packed into a bucket buffer; large ones (at least 1/8 of a bucket) are broadcast straight from
-their own memory in chunks of at most a bucket, so they are never copied. Two bucket slots alternate: bucket k+1 is
-packed (and the input iterator — e.g. `iter_merged_weights`, which computes merges — advanced) while bucket k is in
-flight.
+Small tensors are packed into a bucket's payload; large ones (`direct_bytes` and up) are broadcast straight from
+their own memory, so they are never copied. A bucket carries at most `bucket_bytes`: that bounds what is in flight,
+not what is allocated (a payload is exactly as large as what it packs). Two buckets alternate in flight: bucket k+1 is
+packed (and the input iterator — e.g. `iter_merged_weights`, which computes merges — advanced) while bucket k is sent.
 """
 
 import time
@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from lorarl.weight_sync.protocol import (
     ALIGN,
+    CONTROL_BYTES,
+    INLINE_HEADER_BYTES,
     BucketHeader,
     Entry,
     TensorSpec,
@@ -25,7 +27,7 @@ from lorarl.weight_sync.protocol import (
 )
 from lorarl.weight_sync.transport import Channel
 
-DEFAULT_BUCKET_BYTES = 64 << 20  # chosen by benchmarks/sync_throughput.py (see the package README)
+DEFAULT_BUCKET_BYTES = 256 << 20  # chosen by benchmarks/sync_throughput.py (see the package README)
 DEFAULT_DIRECT_BYTES = 1 << 20  # tensors this large are sent from their own memory rather than packed
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
@@ -66,7 +68,6 @@ class BucketSender:
         self.bucket_bytes = bucket_bytes
         self.direct_bytes = direct_bytes
         self.verify = verify
-        self._buffers: list[torch.Tensor] = []
 
     def send(
         self, named_tensors: NamedTensors, *, version: int, manifest: Sequence[TensorSpec | tuple] | None = None
@@ -103,8 +104,6 @@ class BucketSender:
         started = time.perf_counter()
         channel = self.channel
         channel.broadcast_bytes(header.encode(), f"version {header.version}: transfer header")
-        if len(self._buffers) != 2 or self._buffers[0].device != channel.device:
-            self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=channel.device) for _ in range(2)]
         slots: list[list[tuple[dist.Work, torch.Tensor]]] = [[], []]  # in-flight broadcasts and what they read
         stats = SyncStats(header.version, 0, 0, 0, 0.0)
         try:
@@ -112,17 +111,17 @@ class BucketSender:
             for bucket, packed, direct in packer.buckets(pairs):
                 slot = slots[bucket.index % 2]
                 self._drain(slot, f"version {header.version}: bucket {bucket.index - 2}")
-                slot += self._launch(self._buffers[bucket.index % 2], bucket, packed, direct)
+                slot += self._launch(bucket, packed, direct)
                 stats.buckets += 1
-                stats.bytes += sum(e.length for e in bucket.entries + bucket.direct)
-                stats.tensors += sum(e.completes for e in bucket.entries + bucket.direct)
+                stats.bytes += sum(e.length for e in bucket.entries)
+                stats.tensors += sum(e.completes for e in bucket.entries)
         except TransferError:
             raise
         except Exception as error:  # the input failed (e.g. a merge raised): tell the receivers, then re-raise
             for slot in slots:
                 self._drain(slot, f"version {header.version}: bucket before abort")
             abort = BucketHeader(stats.buckets, last=True, abort=f"{type(error).__name__}: {error}")
-            self._drain(self._launch(self._buffers[0], abort, [], []), f"version {header.version}: abort notice")
+            self._drain(self._launch(abort, [], []), f"version {header.version}: abort notice")
             channel.agree_failed(True, f"version {header.version}: status")
             raise
         for slot in slots:
@@ -133,19 +132,24 @@ class BucketSender:
         return stats
 
     def _launch(
-        self, buffer: torch.Tensor, bucket: BucketHeader, packed: list[torch.Tensor], direct: list[torch.Tensor]
+        self, bucket: BucketHeader, packed: list[torch.Tensor], direct: list[torch.Tensor]
     ) -> list[tuple[dist.Work, torch.Tensor]]:
-        """Pack the small tensors into `buffer`, then start the bucket's broadcasts (asynchronously, in order)."""
-        for entry, part in zip(bucket.entries, packed, strict=True):
-            buffer[entry.offset : entry.offset + entry.length].copy_(part)
-        payload = buffer[: bucket.payload_bytes]
+        """Pack the small tensors into a payload of exactly their size, then start the bucket's broadcasts
+        (asynchronously, in order). Each in-flight bucket keeps what its broadcasts read alive."""
+        payload = torch.empty(bucket.payload_bytes, dtype=torch.uint8, device=self.channel.device)
+        for entry, part in zip(bucket.packed, packed, strict=True):
+            payload[entry.offset : entry.offset + entry.length].copy_(part)
         if self.verify:
             bucket.checksums = [checksum(payload), *(checksum(part) for part in direct)]
         raw = bucket.encode()
-        device = self.channel.device
-        control = torch.tensor([len(raw), payload.numel()], dtype=torch.int64, device=device)
-        header = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-        messages = [control, header, *([payload] if payload.numel() else []), *direct]
+        control = bytearray(CONTROL_BYTES)
+        control[:16] = len(raw).to_bytes(8, "little") + payload.numel().to_bytes(8, "little")
+        control[16 : 16 + min(len(raw), INLINE_HEADER_BYTES)] = raw[:INLINE_HEADER_BYTES]
+        messages = [torch.frombuffer(control, dtype=torch.uint8).to(self.channel.device)]
+        if len(raw) > INLINE_HEADER_BYTES:
+            overflow = bytearray(raw[INLINE_HEADER_BYTES:])
+            messages.append(torch.frombuffer(overflow, dtype=torch.uint8).to(self.channel.device))
+        messages += [*([payload] if payload.numel() else []), *direct]
         return [(self.channel.broadcast(message), message) for message in messages]
 
     def _drain(self, slot: list[tuple[dist.Work, torch.Tensor]], what: str) -> None:
@@ -165,41 +169,40 @@ class _Packer:
         self.trusted = trusted
 
     def buckets(self, pairs: Iterable[tuple[str, torch.Tensor]]):
-        """Yields `(BucketHeader, packed parts, direct parts)`: uint8 views holding each entry's bytes."""
-        index, entries, packed, used = 0, [], [], 0
+        """Yields `(BucketHeader, packed parts, direct parts)`: uint8 views holding each entry's bytes, so that a
+        bucket carries at most `capacity` bytes in all."""
+        index, entries, packed, direct, used, direct_total = 0, [], [], [], 0, 0  # used: end of the packed payload
         count = 0
         for name, tensor in pairs:
             spec = self._check(count, name, tensor)
             count += 1
             raw = _bytes_of(tensor)
-            if raw.numel() >= self.direct_from:
-                if entries:  # what is packed so far goes first, so the order of tensors is kept
-                    yield BucketHeader(index, False, entries), packed, []
-                    index, entries, packed, used = index + 1, [], [], 0
-                for start in range(0, raw.numel(), self.capacity):
-                    take = min(self.capacity, raw.numel() - start)
-                    yield BucketHeader(index, False, [], [Entry(spec, start, take, 0)]), [], [raw[start : start + take]]
-                    index += 1
-                continue
+            sends_direct = raw.numel() >= self.direct_from
             start = 0
             while True:
-                offset = align(used)
                 rest = raw.numel() - start
-                room = self.capacity - offset
+                offset = 0 if sends_direct else align(used)
+                if sends_direct:
+                    room = self.capacity - align(used) - direct_total
+                else:  # the payload is padded to ALIGN at its end
+                    room = (self.capacity - direct_total) // ALIGN * ALIGN - offset
                 if room < min(rest, ALIGN) or (room <= 0 and rest == 0):
-                    yield BucketHeader(index, False, entries), packed, []
-                    index, entries, packed, used = index + 1, [], [], 0
+                    yield BucketHeader(index, False, entries), packed, direct
+                    index, entries, packed, direct, used, direct_total = index + 1, [], [], [], 0, 0
                     continue
                 take = min(rest, room)
-                entries.append(Entry(spec, start, take, offset))
-                packed.append(raw[start : start + take])
-                used = offset + take
+                entries.append(Entry(spec, start, take, offset, sends_direct))
+                (direct if sends_direct else packed).append(raw[start : start + take])
+                if sends_direct:
+                    direct_total += take
+                else:
+                    used = offset + take
                 start += take
                 if start == raw.numel():
                     break
         if self.manifest is not None and count != len(self.manifest):
             raise ValueError(f"the input yielded {count} tensors but the manifest lists {len(self.manifest)}")
-        yield BucketHeader(index, True, entries), packed, []
+        yield BucketHeader(index, True, entries), packed, direct
 
     def _check(self, count: int, name: str, tensor: torch.Tensor) -> TensorSpec:
         if self.trusted:
