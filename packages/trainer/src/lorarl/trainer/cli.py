@@ -1,11 +1,60 @@
-"""`uv run trainer`: the command-line entry point."""
+"""`uv run trainer [CONFIG.yaml] [key=value ...]`, `uv run trainer --help`,
+`uv run trainer export --checkpoint DIR --merged OUT`."""
 
+import argparse
 import sys
+
+from lorarl.trainer.config import ConfigError, help_text, load_config
+from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.presets import PRESETS
+
+USAGE = """usage: trainer [CONFIG.yaml] [key=value ...]
+       trainer export --checkpoint DIR --merged OUT
+
+GRPO-family RL with LoRA. With no arguments: the embedded default (a small model learning multi-digit addition), on
+CPU, in a few minutes. Presets: algorithm=<{presets}>.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("lorarl trainer: not yet available (tracked in issue 5).", file=sys.stderr)
-    return 2
+    from rich.console import Console
+
+    argv = sys.argv[1:] if argv is None else argv
+    console = Console(stderr=False, highlight=False)
+    if argv and argv[0] in ("-h", "--help"):
+        console.print(USAGE.format(presets="|".join(PRESETS)) + "\n" + help_text(), markup=False)
+        return 0
+    try:
+        if argv and argv[0] == "export":
+            return _export(argv[1:], console)
+        files = [a for a in argv if "=" not in a]
+        if len(files) > 1:
+            raise ConfigError(f"at most one config file, got {files}")
+        config = load_config(files[0] if files else None, [a for a in argv if "=" in a], presets=PRESETS)
+        from lorarl.trainer.loop import Trainer
+
+        summary = Trainer(config, console=console).run()
+    except (ConfigError, TrainerError) as e:
+        console.print(f"error: {e}", markup=False, style="red")
+        return 2
+    start, end = summary["val_accuracy_start"], summary["val_accuracy_end"]
+    console.print(f"done: {summary['steps']} steps; outputs in {summary['output_dir']}", markup=False)
+    if start is not None and end is not None:
+        console.print(f"validation accuracy: {start:.3f} at the start -> {end:.3f} at the end "
+                      f"({100 * (end - start):+.1f} points)", markup=False)  # fmt: skip
+    return 0
+
+
+def _export(argv: list[str], console) -> int:
+    parser = argparse.ArgumentParser(prog="trainer export", description="write a merged full model from a checkpoint")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoints/step_N directory")
+    parser.add_argument("--merged", required=True, help="output directory for the merged model")
+    args = parser.parse_args(argv)
+    from lorarl.trainer.export import export_merged
+
+    out = export_merged(args.checkpoint, args.merged)
+    console.print(f"merged model written to {out}", markup=False)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""Checkpoints: the adapter in peft format (or the full model), plus everything to resume exactly — optimizer,
+scheduler, RNG states, data position, step. Written to a temporary directory, then renamed into place, so a crash
+mid-write never leaves a checkpoint that looks complete.
+"""
+
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+STATE = "trainer_state.pt"
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / "checkpoints" / f"step_{step}"
+
+
+def save(output_dir: Path, step: int, model: nn.Module, *, is_lora: bool, state: dict, config_yaml: str) -> Path:
+    final = checkpoint_dir(output_dir, step)
+    temporary = final.parent / f".incomplete-{final.name}-{uuid.uuid4().hex[:8]}"
+    temporary.mkdir(parents=True)
+    model.save_pretrained(temporary / ("adapter" if is_lora else "model"), safe_serialization=True)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}  # noqa: NPY002
+    torch.save({**state, "step": step, "rng": rng}, temporary / STATE)
+    (temporary / "config.yaml").write_text(config_yaml)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+    return final
+
+
+def latest(output_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step, if any."""
+    found = [p for p in (output_dir / "checkpoints").glob("step_*") if (p / STATE).is_file()]
+    return max(found, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def load(path: Path, model: nn.Module, *, is_lora: bool) -> dict:
+    """Load the weights into `model`, restore the RNG states, and return the saved trainer state."""
+    from safetensors.torch import load_file
+
+    if is_lora:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+    else:
+        model.load_state_dict(load_file(str(path / "model" / "model.safetensors")), strict=False)
+    state = torch.load(path / STATE, weights_only=False)
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])  # noqa: NPY002 - the global generator is what libraries use
+    torch.set_rng_state(state["rng"]["torch"])
+    return state

@@ -1,0 +1,249 @@
+"""Configuration: dataclasses (the schema, with defaults and one-line meanings), a YAML file, dotted overrides.
+
+    uv run trainer                                   # the embedded default
+    uv run trainer my.yaml model.lora.rank=32        # a file, then overrides; later wins
+    uv run trainer --help                            # every key, its type, default and meaning
+
+Unknown keys and wrong types are rejected naming the key and the closest valid key. Presets (issue 6) are selected
+with `algorithm=<name>`.
+"""
+
+import difflib
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration the trainer cannot run: names the key, says what is expected."""
+
+
+def option(default, help: str, choices: tuple | None = None):
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class LoraSection:
+    rank: int = option(16, "LoRA rank; 0 = full fine-tuning")
+    alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank, or alpha / sqrt(rank) with rslora)")
+    target_modules: list[str] = option(["all-linear"], "modules that get adapters (peft names, or all-linear)")
+    exclude_modules: list[str] = option([], "modules never adapted (peft names or regex)")
+    dropout: float = option(0.0, "dropout on the adapter input")
+    rslora: bool = option(False, "rank-stabilised scaling alpha / sqrt(rank)")
+    adapter_path: str | None = option(None, "start from this saved peft adapter (its rank and alpha are used)")
+
+
+@dataclass
+class ModelSection:
+    path: str = option("default", "local Hugging Face causal-LM directory; 'default' = the embedded model")
+    dtype: str = option("float32", "training weights dtype", ("float32", "bfloat16", "float16"))
+    lora: LoraSection = field(default_factory=LoraSection)
+
+
+@dataclass
+class DataSection:
+    train_files: list[str] = option(["default"], "jsonl or parquet files of prompts; 'default' = the embedded task")
+    val_files: list[str] = option(["default"], "validation files (same format)")
+    prompt_key: str = option("prompt", "field holding the prompt")
+    answer_key: str = option("answer", "field holding the reference answer (given to the reward)")
+    batch_size: int = option(32, "prompts per step (each sampled rollout.n times)")
+    max_prompt_tokens: int = option(512, "longer prompts are dropped (and counted)")
+    chat_template: bool = option(True, "apply the tokenizer's chat template when it has one")
+    val_size: int = option(500, "validation prompts used per evaluation (0 = all)")
+
+
+@dataclass
+class RolloutSection:
+    engine: str = option("hf", "rollout engine: hf (a worker process, CPU/GPU) or vllm (GPU)", ("hf", "vllm"))
+    n: int = option(8, "responses sampled per prompt (the GRPO group size)")
+    temperature: float = option(1.0, "sampling temperature")
+    top_p: float = option(1.0, "nucleus sampling threshold")
+    max_tokens: int = option(8, "maximum response length in tokens")
+    sync: str = option("merged", "what the engine receives after each step", ("merged", "adapter"))
+    bucket_mb: int = option(256, "weight-sync bucket size (MB)")
+    batch_size: int = option(256, "sequences the hf engine generates at once")
+
+
+@dataclass
+class AlgorithmSection:
+    name: str = option("grpo", "preset this section started from")
+    adv_estimator: str = option(
+        "grpo", "advantage estimator", ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    )
+    norm_std: bool = option(True, "divide group-centred rewards by the group's std (grpo)")
+    gamma: float = option(1.0, "discount along the response (reinforce_pp)")
+    policy_loss: str = option("ppo", "policy loss", ("ppo", "gspo", "cispo"))
+    clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low)")
+    clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)")
+    dual_clip: float | None = option(None, "dual-clip bound c > 1 for negative advantages (None = off)")
+    loss_agg_mode: str = option(
+        "token-mean",
+        "loss aggregation",
+        ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    )
+    kl_coef: float = option(0.0, "weight of the KL to the reference policy (0 = off)")
+    kl_estimator: str = option("k3", "KL estimator", ("k1", "k2", "k3", "low_var_kl"))
+    kl_in_reward: bool = option(False, "subtract the KL from the reward instead of adding a loss term")
+    entropy_coef: float = option(0.0, "entropy bonus weight")
+    ppo_epochs: int = option(1, "passes over each rollout batch")
+    mini_batches: int = option(1, "optimizer steps per pass")
+
+
+@dataclass
+class ActorSection:
+    lr: float = option(2e-3, "peak learning rate (LoRA wants ~10x a full fine-tune's)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient norm clip (0 = off)")
+    warmup_steps: int = option(0, "linear warmup steps")
+    lr_schedule: str = option("constant", "after warmup", ("constant", "cosine"))
+    micro_batch_tokens: int = option(16384, "tokens per forward/backward (gradient accumulation beyond)")
+
+
+@dataclass
+class RewardSection:
+    fn: str = option("default", "built-in (default, math) or package.module:function or path/to/file.py:function")
+
+
+@dataclass
+class TrainerSection:
+    steps: int = option(60, "optimizer steps (rollout batches)")
+    eval_every: int = option(10, "validate (greedy) every so many steps, and at the start and end; 0 = never")
+    save_every: int = option(0, "checkpoint every so many steps (always at the end); 0 = only at the end")
+    output_dir: str | None = option(None, "where outputs go (default: outputs/<date-time>)")
+    seed: int = option(0, "seed for data order, sampling and initialisation")
+    resume: str = option("never", "never, auto (latest checkpoint in output_dir) or a checkpoint directory")
+    device: str = option("auto", "auto, cpu or cuda")
+    backend: str = option("local", "local (one machine) or ray", ("local", "ray"))
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    actor: ActorSection = field(default_factory=ActorSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), presets: dict | None = None) -> Config:
+    """The schema's defaults, then a preset (`algorithm=<name>`), then the YAML file, then `key=value` overrides."""
+    schema = OmegaConf.structured(Config)
+    layers = []
+    overrides = list(overrides)
+    for item in [o for o in overrides if o.split("=", 1)[0] == "algorithm"]:
+        name = item.split("=", 1)[1]
+        if not presets or name not in presets:
+            raise ConfigError(f"algorithm={name}: unknown preset; choose one of {sorted(presets or {})}")
+        layers.append(OmegaConf.create({"algorithm": {"name": name, **presets[name]}}))
+        overrides.remove(item)
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        layers.append(OmegaConf.create(loaded))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{item!r}: overrides are key=value (e.g. model.lora.rank=32)")
+        key, value = item.split("=", 1)
+        layers.append(OmegaConf.from_dotlist([f"{key}={value}"]))
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = _full_key(e)
+        raise ConfigError(f"unknown key {key!r}{_closest(key)}") from None
+    except ValidationError as e:
+        key = _full_key(e)
+        raise ConfigError(f"{key}: {e.msg.splitlines()[0]} (expected {_type_name(_field_type(key))})") from None
+    config = OmegaConf.to_object(merged)
+    _check_choices(config)
+    return config
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def help_text() -> str:
+    """Every key with its type, default and meaning."""
+    lines = ["Configuration keys (set in a YAML file or as key=value; later wins):", ""]
+    for key, f in _leaves(Config):
+        default = f.default_factory() if f.default is MISSING else f.default
+        choices = f.metadata.get("choices")
+        meaning = f.metadata.get("help", "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
+        lines.append(f"  {key:32} {_type_name(f.type):10} {default!r:18} {meaning}")
+    return "\n".join(lines)
+
+
+def _leaves(cls, prefix: str = ""):
+    for f in fields(cls):
+        if is_dataclass(f.type):
+            yield from _leaves(f.type, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
+def _valid_keys() -> list[str]:
+    keys = [key for key, _ in _leaves(Config)]
+    return keys + sorted({key.rsplit(".", 1)[0] for key in keys if "." in key})
+
+
+def _closest(key: str) -> str:
+    close = difflib.get_close_matches(key, _valid_keys(), n=1, cutoff=0.5)
+    if not close:
+        last = key.rsplit(".", 1)[-1]
+        close = [k for k in _valid_keys() if k.endswith("." + last)][:1]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _full_key(error: Exception) -> str:
+    key = getattr(error, "full_key", None) or getattr(error, "key", None) or str(error)
+    return str(key)
+
+
+def _field_type(key: str):
+    for name, f in _leaves(Config):
+        if name == key:
+            return f.type
+    return None
+
+
+def _type_name(tp) -> str:
+    if tp is None:
+        return "a valid value"
+    origin = typing.get_origin(tp)
+    if origin in (list,):
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if origin in (typing.Union, __import__("types").UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_choices(config: Config) -> None:
+    for key, f in _leaves(Config):
+        choices = f.metadata.get("choices")
+        if not choices:
+            continue
+        section, name = key.rsplit(".", 1)
+        value = getattr(_resolve(config, section), name)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(str, choices))}")
+
+
+def _resolve(config: Config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config

@@ -1,0 +1,197 @@
+"""Rollout engines: what generates the responses, in a process of its own, fed weights through `weight_sync`.
+
+`RolloutEngine` is the interface the trainer uses; `HFEngine` runs Hugging Face `generate` in a worker process (CPU or
+GPU) that holds its own copy of the model. Every completion says which weight version produced it, so the trainer
+never trains on rollouts of stale weights.
+"""
+
+import hashlib
+import multiprocessing as mp
+import traceback
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lorarl.trainer.errors import TrainerError
+from lorarl.weight_sync import BucketReceiver, BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_index: int
+    token_ids: tuple[int, ...]  # the response, with the end-of-sequence token when it stopped on it
+    logprobs: tuple[float, ...]  # the engine's log-probs of those tokens (its sampling distribution)
+    finished: bool  # stopped on end-of-sequence (False: cut at max_tokens)
+    version: int  # weights that produced it
+
+
+class RolloutEngine(Protocol):
+    version: int
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[Completion]: ...
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
+    ) -> SyncStats: ...
+
+    def weights_checksum(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class EngineError(TrainerError):
+    """The rollout engine failed (its own traceback is in the message) or died."""
+
+
+class HFEngine:
+    """Hugging Face `generate` in a worker process, weights received over a gloo sync group."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        dtype: torch.dtype,
+        device: str,
+        eos_token_id: int,
+        pad_token_id: int,
+        batch_size: int,
+        bucket_bytes: int,
+        timeout: float = 600.0,
+    ):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        port = free_port()
+        settings = {"model_path": str(model_path), "dtype": dtype, "device": device, "eos": eos_token_id,
+                    "pad": pad_token_id, "batch_size": batch_size, "port": port, "timeout": timeout}  # fmt: skip
+        self.process = ctx.Process(target=_serve, args=(child, settings), daemon=True, name="lorarl-hf-engine")
+        self.process.start()
+        self.timeout = timeout
+        group = create_sync_group("127.0.0.1", port, 2, 0, timeout=timeout)
+        self.sender = BucketSender(group, bucket_bytes=bucket_bytes, timeout=timeout)
+        self.version = self._reply("start")
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[Completion]:
+        self._conn.send(("generate", ([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)))
+        return self._reply("generate")
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
+    ) -> SyncStats:
+        self._conn.send(("receive", ()))
+        stats = self.sender.send(named_tensors, version=version, manifest=manifest)
+        self.version = self._reply("receive")
+        if self.version != version:
+            raise EngineError(f"the engine reports weights version {self.version} after receiving {version}")
+        return stats
+
+    def weights_checksum(self) -> str:
+        self._conn.send(("checksum", ()))
+        return self._reply("checksum")
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(("close", ()))
+                self.process.join(timeout=10)
+            except (BrokenPipeError, OSError):
+                pass
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _reply(self, what: str):
+        if not self._conn.poll(self.timeout):
+            raise EngineError(f"the rollout engine did not answer {what!r} within {self.timeout:g} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise EngineError(f"the rollout engine died during {what!r} (exit code {self.process.exitcode})") from None
+        if status == "error":
+            raise EngineError(f"the rollout engine failed during {what!r}:\n{value}")
+        return value
+
+
+# --- the worker process --------------------------------------------------------------------------------------------
+
+
+def _serve(conn, settings: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        group = create_sync_group("127.0.0.1", settings["port"], 2, 1, timeout=settings["timeout"])
+        receiver = BucketReceiver(group, timeout=settings["timeout"])
+        model = AutoModelForCausalLM.from_pretrained(settings["model_path"], dtype=settings["dtype"])
+        model = model.to(settings["device"]).eval()
+        version = 0  # the weights from disk
+        conn.send(("ok", version))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        command, args = conn.recv()
+        if command == "close":
+            return
+        try:
+            if command == "generate":
+                reply = _generate(model, settings, version, *args)
+            elif command == "receive":
+                version = reply = receiver.load_into(model)
+            elif command == "checksum":
+                reply = _checksum(model)
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", reply))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+@torch.no_grad()
+def _generate(model, settings, version, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+    """Sample `n` responses per prompt (greedy when temperature is 0), batched, seeded: the same call, the same
+    samples (what makes a resumed run repeat an uninterrupted one)."""
+    torch.manual_seed(seed)
+    eos, pad, device = settings["eos"], settings["pad"], settings["device"]
+    completions = []
+    per_batch = max(1, settings["batch_size"] // n)
+    for start in range(0, len(prompts), per_batch):
+        chunk = prompts[start : start + per_batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        greedy = temperature == 0
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=not greedy,
+            temperature=None if greedy else temperature, top_p=None if greedy else top_p, top_k=None,
+            num_return_sequences=n, pad_token_id=pad, eos_token_id=eos,
+            return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+        new = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float()  # [B*n, steps, V]
+        if not greedy:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, -1).gather(2, new[:, :, None])[:, :, 0]
+        for row in range(new.shape[0]):
+            tokens, values = [], []
+            for t, token in enumerate(new[row].tolist()):
+                tokens.append(token)
+                values.append(float(logp[row, t]))
+                if token == eos:
+                    break
+            finished = tokens[-1] == eos if tokens else False
+            completions.append(Completion(start + row // n, tuple(tokens), tuple(values), finished, version))
+    return completions
+
+
+def _checksum(model) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

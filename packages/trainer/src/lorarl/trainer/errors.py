@@ -1,0 +1,5 @@
+"""Errors the trainer reports to the user as a clear message (and a non-zero exit) instead of a traceback."""
+
+
+class TrainerError(RuntimeError):
+    """Something in the setup the user has to fix: a missing file, an empty dataset, a bad reward function, ..."""

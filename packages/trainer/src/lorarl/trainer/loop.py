@@ -1,0 +1,348 @@
+"""The training loop: rollouts -> rewards -> advantages -> policy update -> merged weights into the engine."""
+
+import math
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
+from lorarl.trainer import algorithms, checkpoint, data, rewards
+from lorarl.trainer.config import Config, to_yaml
+from lorarl.trainer.engine import Completion, EngineError, HFEngine, RolloutEngine
+from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.logprobs import micro_batches, pack, response_logprobs
+from lorarl.trainer.metrics import MetricsLog, plot
+from lorarl.trainer.models import Policy, load_tokenizer
+
+
+class Trainer:
+    def __init__(self, config: Config, *, console=None):
+        self.config = config
+        self.console = console
+        t = config.trainer
+        self.output_dir = Path(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
+        _seed_everything(t.seed)
+        self.device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if t.device == "auto" else t.device))  # fmt: skip
+        if t.backend != "local":
+            raise TrainerError(f"trainer.backend={t.backend!r} is not available in this version (use local)")
+        self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
+        self.model = self.policy.model
+        self.tokenizer = load_tokenizer(self.policy.path)
+        self.train_set, dropped = self._examples(config.data.train_files, "train.jsonl")
+        self.val_set, val_dropped = self._examples(config.data.val_files, "val.jsonl")
+        if config.data.val_size:
+            self.val_set = self.val_set[: config.data.val_size]
+        self.dropped = {"train": dropped, "val": val_dropped}
+        self.reward_fn = rewards.load_reward(config.reward.fn)
+        self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
+        a = config.actor
+        self.optimizer = torch.optim.AdamW(self.policy.trainable, lr=a.lr, weight_decay=a.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_factor(a.warmup_steps, t.steps, a.lr_schedule)
+        )
+        self.start_step = self._resume()
+        self.engine: RolloutEngine | None = None
+        self.version = self.start_step
+
+    # --- setup ---------------------------------------------------------------------------------------------------
+
+    def _examples(self, files: list[str], default_file: str) -> tuple[list[data.Example], int]:
+        d = self.config.data
+        rows = data.read_rows(files, default_file=default_file)
+        examples, dropped = data.build_examples(
+            rows,
+            self.tokenizer,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            max_prompt_tokens=d.max_prompt_tokens,
+            chat_template=d.chat_template,
+        )
+        if not examples:
+            raise TrainerError(f"no usable prompts in {files}: {len(rows)} rows, {dropped} longer than "
+                               f"data.max_prompt_tokens={d.max_prompt_tokens}")  # fmt: skip
+        return examples, dropped
+
+    def _resume(self) -> int:
+        resume = self.config.trainer.resume
+        if resume == "never":
+            return 0
+        path = checkpoint.latest(self.output_dir) if resume == "auto" else Path(resume)
+        if path is None:
+            return 0  # auto, nothing to resume from: a fresh run
+        if not (path / checkpoint.STATE).is_file():
+            raise TrainerError(f"trainer.resume={resume!r}: {path} is not a checkpoint")
+        state = checkpoint.load(path, self.model, is_lora=self.policy.is_lora)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self._say(f"resumed from {path} (step {state['step']})")
+        return state["step"]
+
+    def _start_engine(self) -> RolloutEngine:
+        r = self.config.rollout
+        if r.engine != "hf":
+            raise TrainerError(f"rollout.engine={r.engine!r} is not available in this version (use hf)")
+        return HFEngine(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
+                        eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                        batch_size=r.batch_size, bucket_bytes=r.bucket_mb << 20)  # fmt: skip
+
+    # --- the run -------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        t = self.config.trainer
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(to_yaml(self.config))
+        self._say(f"outputs: {self.output_dir.resolve()}")
+        if any(self.dropped.values()):
+            self._say(f"dropped prompts longer than {self.config.data.max_prompt_tokens} tokens: {self.dropped}")
+        log = MetricsLog(self.output_dir, resume_step=self.start_step)
+        self.engine = self._start_engine()
+        try:
+            self._sync()  # the engine starts from disk; give it this run's weights (adapter, or a resumed state)
+            first_eval = self.evaluate() if t.eval_every else {}
+            if first_eval and self.start_step == 0:
+                log.log(0, first_eval)
+            for step in range(self.start_step + 1, t.steps + 1):
+                metrics = self.train_step(step)
+                if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                    metrics.update(self.evaluate())
+                log.log(step, metrics)
+                self._progress(step, metrics)
+                if (t.save_every and step % t.save_every == 0) or step == t.steps:
+                    self.save(step)
+        finally:
+            self.engine.close()
+            log.close()
+        plots = plot(log.path, self.output_dir / "plots")
+        summary = _summary(log.path, first_eval)
+        summary.update({"output_dir": str(self.output_dir), "plots": [str(p) for p in plots]})
+        return summary
+
+    def train_step(self, step: int) -> dict:
+        cfg, a, r = self.config, self.config.algorithm, self.config.rollout
+        started = time.perf_counter()
+        examples = [self.train_set[i] for i in self.sampler.next_batch()]
+        completions = self.engine.generate(
+            [e.prompt_ids for e in examples],
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_tokens,
+            seed=_step_seed(cfg.trainer.seed, step),
+        )
+        self._check_versions(completions)
+        rollout_s = time.perf_counter() - started
+
+        prompts = [examples[c.prompt_index].prompt_ids for c in completions]
+        responses = [c.token_ids for c in completions]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        scores = torch.tensor(rewards.score(self.reward_fn, [examples[c.prompt_index].prompt for c in completions],
+                                            texts, [examples[c.prompt_index].answer for c in completions]))  # fmt: skip
+        lengths = torch.tensor([len(x) for x in responses])
+        width = max(1, int(lengths.max()))
+        mask = torch.arange(width)[None, :] < lengths[:, None]
+        group = torch.tensor([c.prompt_index for c in completions])
+
+        train_started = time.perf_counter()
+        sample_lengths = [len(p) + len(x) for p, x in zip(prompts, responses, strict=True)]
+        with torch.no_grad():
+            reference = self._logprobs_all(prompts, responses, width, sample_lengths, reference=True)
+            needs_old = a.ppo_epochs > 1 or a.mini_batches > 1
+            old = self._logprobs_all(prompts, responses, width, sample_lengths) if needs_old else None
+        adjusted = scores.clone()
+        if reference is not None and a.kl_coef > 0 and a.kl_in_reward:
+            current = old if old is not None else self._logprobs_all(prompts, responses, width, sample_lengths)
+            kl = algorithms.kl_penalty(current, reference, a.kl_estimator)
+            adjusted = scores - a.kl_coef * (kl * mask).sum(1)
+        adv = algorithms.advantages(a.adv_estimator, adjusted, group, mask, norm_std=a.norm_std, gamma=a.gamma)
+        update = self._update(step, prompts, responses, width, sample_lengths, mask, adv, old, reference)
+        self.scheduler.step()
+        train_s = time.perf_counter() - train_started
+
+        sync_started = time.perf_counter()
+        stats = self._sync(version=step)
+        sync_s = time.perf_counter() - sync_started
+        return {
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
+            "response_length/mean": float(lengths.float().mean()),
+            "response_length/truncated": float(np.mean([not c.finished for c in completions])),
+            **update,
+            "lr": self.scheduler.get_last_lr()[0],
+            "data/epoch": self.sampler.epoch,
+            "timing/rollout_s": rollout_s,
+            "timing/train_s": train_s,
+            "timing/sync_s": sync_s,
+            "timing/step_s": time.perf_counter() - started,
+            "sync/bytes": stats.bytes,
+        }
+
+    def _update(self, step, prompts, responses, width, sample_lengths, mask, adv, old, reference) -> dict:
+        """PPO epochs x mini-batches x micro-batches (gradient accumulation bounded by tokens)."""
+        a, actor = self.config.algorithm, self.config.actor
+        temperature = self.config.rollout.temperature
+        sums: dict[str, float] = {}
+        order = torch.randperm(
+            len(prompts), generator=torch.Generator().manual_seed(_step_seed(self.config.trainer.seed, step))
+        )
+        self.model.train()
+        for _ in range(a.ppo_epochs):
+            for minibatch in torch.tensor_split(order, a.mini_batches):
+                minibatch = minibatch.tolist()
+                totals = {
+                    "total_tokens": float(mask[minibatch].sum().clamp(min=1)),
+                    "total_sequences": float(len(minibatch)),
+                }
+                for micro in micro_batches([sample_lengths[i] for i in minibatch], actor.micro_batch_tokens):
+                    rows = [minibatch[i] for i in micro]
+                    packed = pack([prompts[i] for i in rows], [responses[i] for i in rows], width, self.device)
+                    logp, entropy = response_logprobs(self.model, packed, temperature=temperature, entropy=True)
+                    m = mask[rows].to(self.device)
+                    old_logp = old[rows].to(self.device) if old is not None else logp.detach()
+                    loss, info = algorithms.policy_loss(
+                        a.policy_loss,
+                        logp,
+                        old_logp,
+                        adv[rows].to(self.device),
+                        m,
+                        clip_low=a.clip_low,
+                        clip_high=a.clip_high,
+                        dual_clip=a.dual_clip,
+                        loss_agg_mode=a.loss_agg_mode,
+                        **totals,
+                    )
+                    share = float(m.sum()) / totals["total_tokens"]
+                    if reference is not None:
+                        kl = algorithms.kl_penalty(logp, reference[rows].to(self.device), a.kl_estimator)
+                        info["kl"] = float((kl.detach() * m).sum() / m.sum().clamp(min=1))
+                        if a.kl_coef > 0 and not a.kl_in_reward:
+                            loss = loss + a.kl_coef * algorithms.aggregate(kl, m, a.loss_agg_mode, **totals)
+                    entropy_value = algorithms.aggregate(entropy, m, a.loss_agg_mode, **totals)
+                    if a.entropy_coef:
+                        loss = loss - a.entropy_coef * entropy_value
+                    loss.backward()
+                    info.update({"loss": float(loss.detach()) / share if share else 0.0,
+                                 "entropy": float((entropy.detach() * m).sum() / m.sum().clamp(min=1))})  # fmt: skip
+                    for key, value in info.items():
+                        sums[key] = sums.get(key, 0.0) + value * share
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(self._optimizer_step())
+        steps = a.ppo_epochs * a.mini_batches
+        return {key: value / steps for key, value in sums.items()}
+
+    def _optimizer_step(self) -> torch.Tensor:
+        clip = self.config.actor.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable, clip if clip > 0 else math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _logprobs_all(self, prompts, responses, width, sample_lengths, reference: bool = False) -> torch.Tensor | None:
+        """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
+        temperature = self.config.rollout.temperature
+        if reference and not self.policy.is_lora and self.policy.frozen_reference is None:
+            return None
+        parts = []
+        context = self.policy.reference() if reference else _nothing(self.model)
+        with context as model:
+            model.eval()
+            for micro in micro_batches(sample_lengths, self.config.actor.micro_batch_tokens):
+                packed = pack([prompts[i] for i in micro], [responses[i] for i in micro], width, self.device)
+                parts.append(response_logprobs(model, packed, temperature=temperature)[0].cpu())
+        return torch.cat(parts)
+
+    def _check_versions(self, completions: list[Completion]) -> None:
+        stale = {c.version for c in completions} - {self.version}
+        if stale:
+            raise EngineError(f"the engine generated with weights version {sorted(stale)}, expected {self.version}")
+
+    def _sync(self, version: int | None = None):
+        """Stream the merged weights (base + adapter, one layer at a time) into the engine."""
+        version = self.version if version is None else version
+        dtype = self.policy.dtype
+        stats = self.engine.sync_weights(iter_merged_weights(self.model, dtype=dtype), version=version,
+                                         manifest=merged_weight_specs(self.model, dtype=dtype))  # fmt: skip
+        self.version = version
+        return stats
+
+    def evaluate(self) -> dict:
+        """Greedy answers to the validation prompts: mean reward, and accuracy (share with full reward, >= 1)."""
+        completions = self.engine.generate([e.prompt_ids for e in self.val_set], n=1, temperature=0.0, top_p=1.0,
+                                           max_tokens=self.config.rollout.max_tokens, seed=0)  # fmt: skip
+        self._check_versions(completions)
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        scores = rewards.score(
+            self.reward_fn, [e.prompt for e in self.val_set], texts, [e.answer for e in self.val_set]
+        )
+        return {"val/reward": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
+
+    def save(self, step: int) -> Path:
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "sampler": self.sampler.state_dict()}  # fmt: skip
+        return checkpoint.save(self.output_dir, step, self.model, is_lora=self.policy.is_lora, state=state,
+                               config_yaml=to_yaml(self.config))  # fmt: skip
+
+    def _say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+
+    def _progress(self, step: int, metrics: dict) -> None:
+        if self.console is None:
+            return
+        parts = [f"step {step}/{self.config.trainer.steps}", f"reward {metrics['reward/mean']:.3f}"]
+        if "kl" in metrics:
+            parts.append(f"kl {metrics['kl']:.4f}")
+        if "val/accuracy" in metrics:
+            parts.append(f"val acc {metrics['val/accuracy']:.3f}")
+        parts.append(f"{metrics['timing/step_s']:.2f} s/step")
+        self.console.print("  ".join(parts))
+
+
+class _nothing:
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)  # noqa: NPY002 - libraries draw from numpy's global generator
+    torch.manual_seed(seed)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+def _lr_factor(warmup: int, total: int, schedule: str):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "cosine":
+            progress = (step - warmup) / max(1, total - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def _summary(metrics_file: Path, first_eval: dict) -> dict:
+    from lorarl.trainer.metrics import read
+
+    records = read(metrics_file) if metrics_file.is_file() else []
+    accuracies = [r["val/accuracy"] for r in records if "val/accuracy" in r]
+    return {
+        "steps": max((r["step"] for r in records), default=0),
+        "val_accuracy_start": accuracies[0] if accuracies else first_eval.get("val/accuracy"),
+        "val_accuracy_end": accuracies[-1] if accuracies else None,
+        "reward_last": next((r["reward/mean"] for r in reversed(records) if "reward/mean" in r), None),
+    }

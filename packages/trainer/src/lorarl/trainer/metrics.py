@@ -1,0 +1,83 @@
+"""Where a run's numbers go: metrics.jsonl (one object per step), TensorBoard (when installed), plots at the end."""
+
+import json
+import math
+from pathlib import Path
+
+PLOTS = {
+    "reward": ("reward/mean", "mean reward of the rollouts"),
+    "val_accuracy": ("val/accuracy", "validation accuracy (greedy)"),
+    "kl": ("kl", "KL to the reference policy"),
+    "response_length": ("response_length/mean", "mean response length (tokens)"),
+}
+
+
+class MetricsLog:
+    def __init__(self, output_dir: Path, *, resume_step: int = 0):
+        self.path = output_dir / "metrics.jsonl"
+        if resume_step and self.path.is_file():  # drop what a resumed run will write again
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = self.path.open("a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+        except ImportError:  # tensorboard is optional
+            self.tensorboard = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self.tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(metrics_file: Path, out_dir: Path) -> list[Path]:
+    """One PNG per curve of PLOTS (against step), from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read(metrics_file)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (key, title) in PLOTS.items():
+        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+        if not points:
+            continue
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        steps, values = zip(*points, strict=True)
+        axes.plot(steps, values, marker="o" if len(points) < 30 else None, alpha=0.45 if len(points) >= 30 else 1.0)
+        if len(points) >= 30:  # noisy per-step values: show the trend too
+            window = max(5, len(points) // 10)
+            trend = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                     for i in range(len(values))]  # fmt: skip
+            axes.plot(steps, trend, linewidth=2, label=f"mean of last {window}")
+            axes.legend()
+        axes.set(xlabel="step", ylabel=key, title=title)
+        axes.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(out_dir / f"{name}.png", dpi=100)
+        plt.close(figure)
+        written.append(out_dir / f"{name}.png")
+    return written
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    return round(value, 6) if isinstance(value, float) else value
