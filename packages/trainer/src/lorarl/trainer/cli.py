@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     argv = sys.argv[1:] if argv is None else argv
-    console = Console(stderr=False, highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     if argv and argv[0] in ("-h", "--help"):
         console.print(USAGE.format(presets="|".join(PRESETS)) + "\n" + help_text(), markup=False)
         return 0

@@ -1,6 +1,7 @@
 """Prompt datasets: jsonl or parquet rows with a prompt and an answer, tokenized once, shuffled per epoch."""
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def build_examples(
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            ids = ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
         else:
             ids = tokenizer(prompt)["input_ids"]
         if len(ids) > max_prompt_tokens:

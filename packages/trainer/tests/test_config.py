@@ -1,0 +1,64 @@
+"""Configuration: defaults, a YAML file, dotted overrides, presets, and errors that name the key."""
+
+import pytest
+
+from lorarl.trainer.config import ConfigError, help_text, load_config, to_yaml
+from lorarl.trainer.presets import PRESETS
+
+
+def test_file_then_overrides_later_wins(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  lora:\n    rank: 32\n    alpha: 64\nrollout:\n  n: 4\n")
+    config = load_config(path, ["rollout.n=16", "model.lora.target_modules=[q_proj,v_proj]"])
+    assert config.model.lora.rank == 32
+    assert config.model.lora.alpha == 64.0
+    assert config.rollout.n == 16
+    assert config.model.lora.target_modules == ["q_proj", "v_proj"]
+    assert config.trainer.steps == 60  # untouched default
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(None, ["actor.lr=3e-4", "trainer.output_dir=/x"])
+    (tmp_path / "c.yaml").write_text(to_yaml(config))
+    assert load_config(tmp_path / "c.yaml") == config
+
+
+def test_presets_then_overrides():
+    config = load_config(None, ["algorithm=grpo", "algorithm.clip_high=0.3"], presets=PRESETS)
+    assert config.algorithm.name == "grpo"
+    assert config.algorithm.clip_high == 0.3
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config(None, ["algorithm=nope"], presets=PRESETS)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.lora.rnak=4"], "unknown key 'model.lora.rnak'; did you mean 'model.lora.rank'"),
+        (["lr=1e-3"], "did you mean 'actor.lr'"),
+        (["rollout.n=lots"], "rollout.n"),
+        (["rollout.sync=sometimes"], "rollout.sync='sometimes': expected one of merged, adapter"),
+        (["model.lora.rank"], "key=value"),
+    ],
+)
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "typo.yaml").write_text("trainer:\n  stpes: 3\n")
+    with pytest.raises(ConfigError, match=r"trainer\.steps"):
+        load_config(tmp_path / "typo.yaml")
+
+
+def test_help_has_every_key_type_default_and_meaning():
+    text = help_text()
+    assert "model.lora.rank                  int        16                 LoRA rank; 0 = full fine-tuning" in text
+    assert "rollout.engine" in text
+    assert "[hf | vllm]" in text

@@ -1,0 +1,64 @@
+"""Helpers of the trainer tests: a tiny random model with the in-code character tokenizer, prompt files, a learnable
+reward, and the settings of a short run."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from lorarl.trainer import default_task
+
+REWARD_FILE = '''
+def sevens(prompt, response, answer):
+    """The share of 7s in the response: a random policy can learn to say 7."""
+    return response.count("7") / max(len(response), 1)
+'''
+
+
+def make_model_dir(directory: Path, seed: int = 0) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = default_task.build_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    # larger (tied) embeddings than HF's 0.02-std init, which with the final norm caps every
+    # logit near +-0.6, so no adapter on the layers could make any token likely
+    torch.nn.init.normal_(model.get_input_embeddings().weight, std=0.15)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def make_tiny_setup(root: Path) -> dict[str, str]:
+    model = make_model_dir(root / "model")
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(20) for b in range(20)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:300]))
+    (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[300:332]))
+    (root / "sevens.py").write_text(REWARD_FILE)
+    return {"model": str(model), "train": str(root / "train.jsonl"), "val": str(root / "val.jsonl"),
+            "reward": f"{root / 'sevens.py'}:sevens"}  # fmt: skip
+
+
+def tiny_overrides(setup: dict[str, str], output_dir: Path, **extra) -> list[str]:
+    """Settings of a short, fast run on the tiny model (extra: dotted keys with '__' for '.')."""
+    overrides = {
+        "model.path": setup["model"],
+        "model.lora.rank": 8,
+        "data.train_files": f"[{setup['train']}]",
+        "data.val_files": f"[{setup['val']}]",
+        "data.batch_size": 8,
+        "rollout.n": 4,
+        "rollout.max_tokens": 6,
+        "reward.fn": setup["reward"],
+        "actor.lr": 2e-2,
+        "trainer.steps": 12,
+        "trainer.eval_every": 0,
+        "trainer.output_dir": str(output_dir),
+    }
+    overrides.update({key.replace("__", "."): value for key, value in extra.items()})
+    return [f"{key}={value}" for key, value in overrides.items()]
