@@ -14,7 +14,7 @@ def test_file_then_overrides_later_wins(tmp_path):
     assert config.model.lora.alpha == 64.0
     assert config.rollout.n == 16
     assert config.model.lora.target_modules == ["q_proj", "v_proj"]
-    assert config.trainer.steps == 60  # untouched default
+    assert config.trainer.steps == 120  # untouched default
 
 
 def test_resolved_config_round_trips(tmp_path):

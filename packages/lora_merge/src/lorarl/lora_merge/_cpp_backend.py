@@ -1,6 +1,7 @@
 """The C++/CUDA op from `csrc/`, JIT-built with ninja on first use and cached by torch's extension builder."""
 
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def sources_dir() -> Path:
 @functools.cache
 def load_op(with_cuda: bool) -> None:
     """Build (first time only) and load the op into `torch.ops.lorarl`; CUDA kernels only when asked for."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # not "No CUDA runtime" on every CPU run
     from torch.utils import cpp_extension
 
     try:  # the `ninja` wheel puts its binary next to the venv's python, which may not be on PATH

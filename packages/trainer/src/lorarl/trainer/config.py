@@ -98,7 +98,7 @@ class AlgorithmSection:
 
 @dataclass
 class ActorSection:
-    lr: float = option(2e-3, "peak learning rate (LoRA wants ~10x a full fine-tune's)")
+    lr: float = option(1e-3, "peak learning rate (LoRA wants ~10x a full fine-tune's)")
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "gradient norm clip (0 = off)")
     warmup_steps: int = option(0, "linear warmup steps")
@@ -113,7 +113,7 @@ class RewardSection:
 
 @dataclass
 class TrainerSection:
-    steps: int = option(60, "optimizer steps (rollout batches)")
+    steps: int = option(120, "optimizer steps (rollout batches)")
     eval_every: int = option(10, "validate (greedy) every so many steps, and at the start and end; 0 = never")
     save_every: int = option(0, "checkpoint every so many steps (always at the end); 0 = only at the end")
     output_dir: str | None = option(None, "where outputs go (default: outputs/<date-time>)")
