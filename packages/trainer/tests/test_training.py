@@ -93,3 +93,50 @@ def test_resume_repeats_the_uninterrupted_run(tiny_setup, tmp_path):
     for a, b in zip(expected[2:], resumed[2:], strict=True):
         for key in ("reward/mean", "response_length/mean", "loss", "kl", "entropy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_tensorboard_event_files(trained):
+    assert list((trained / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_full_fine_tuning_with_a_kl_term_keeps_a_frozen_reference(tiny_setup, tmp_path):
+    config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", model__lora__rank=0, actor__lr=1e-3,
+                                              algorithm__kl_coef=0.1, trainer__steps=8), presets=PRESETS)  # fmt: skip
+    trainer = Trainer(config)
+    assert trainer.policy.frozen_reference is not None
+    assert all(p.requires_grad for p in trainer.model.parameters())
+    before = {k: v.clone() for k, v in trainer.policy.frozen_reference.state_dict().items()}
+    summary = trainer.run()
+    assert summary["steps"] == 8
+    assert all(torch.equal(v, before[k]) for k, v in trainer.policy.frozen_reference.state_dict().items())
+    assert (tmp_path / "out" / "checkpoints" / "step_8" / "model" / "model.safetensors").is_file()
+    kls = [m["kl"] for m in metrics(tmp_path / "out") if "kl" in m]
+    assert kls[-1] > 0  # the policy moved away from the frozen reference
+
+
+def test_starting_from_a_saved_adapter(trained, tiny_setup, tmp_path):
+    adapter = trained / "checkpoints" / "step_12" / "adapter"
+    config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", model__lora__adapter_path=str(adapter),
+                                              model__lora__rank=4), presets=PRESETS)  # fmt: skip
+    trainer = Trainer(config)
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    loaded = get_peft_model_state_dict(trainer.model)
+    assert trainer.model.peft_config["default"].r == 8  # rank and alpha come from the adapter, not model.lora.rank
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    assert any(p.requires_grad for p in trainer.policy.trainable)
+
+
+def test_ppo_epochs_mini_batches_and_kl_in_the_reward(tiny_setup, tmp_path):
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", algorithm__ppo_epochs=2, algorithm__mini_batches=2,
+                               algorithm__kl_coef=0.05, algorithm__kl_in_reward=True, actor__warmup_steps=2,
+                               actor__lr_schedule="cosine")  # fmt: skip
+    assert main(overrides) == 0
+    records = [m for m in metrics(tmp_path / "out") if "reward/mean" in m]
+    assert len(records) == 12
+    assert any(m["clipfrac"] > 0 for m in records)  # a second epoch on the same rollouts moves the ratio
+    assert records[-1]["lr"] == pytest.approx(0.0, abs=1e-9)  # the cosine schedule ends at 0
+    rewards = [m["reward/mean"] for m in records]
+    assert sum(rewards[-3:]) > sum(rewards[:3])

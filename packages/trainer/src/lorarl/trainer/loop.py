@@ -103,18 +103,22 @@ class Trainer:
         log = MetricsLog(self.output_dir, resume_step=self.start_step)
         self.engine = self._start_engine()
         try:
-            self._sync()  # the engine starts from disk; give it this run's weights (adapter, or a resumed state)
-            first_eval = self.evaluate() if t.eval_every else {}
-            if first_eval and self.start_step == 0:
-                log.log(0, first_eval)
-            for step in range(self.start_step + 1, t.steps + 1):
-                metrics = self.train_step(step)
-                if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                    metrics.update(self.evaluate())
-                log.log(step, metrics)
-                self._progress(step, metrics)
-                if (t.save_every and step % t.save_every == 0) or step == t.steps:
-                    self.save(step)
+            with self._progress_bar() as progress:
+                self._sync()  # the engine starts from disk: give it this run's weights (an adapter, a resumed state)
+                first_eval = self.evaluate() if t.eval_every else {}
+                if first_eval and self.start_step == 0:
+                    log.log(0, first_eval)
+                    self._say(f"step 0: validation accuracy {first_eval['val/accuracy']:.3f}", progress)
+                for step in range(self.start_step + 1, t.steps + 1):
+                    metrics = self.train_step(step)
+                    if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                        metrics.update(self.evaluate())
+                        self._say(_line(step, t.steps, metrics), progress)
+                    log.log(step, metrics)
+                    if progress is not None:
+                        progress.update(progress.task_ids[0], completed=step, status=_status(metrics))
+                    if (t.save_every and step % t.save_every == 0) or step == t.steps:
+                        self.save(step)
         finally:
             self.engine.close()
             log.close()
@@ -286,20 +290,37 @@ class Trainer:
         return checkpoint.save(self.output_dir, step, self.model, is_lora=self.policy.is_lora, state=state,
                                config_yaml=to_yaml(self.config))  # fmt: skip
 
-    def _say(self, text: str) -> None:
-        if self.console is not None:
-            self.console.print(text)
+    def _say(self, text: str, progress=None) -> None:
+        """A line above the live progress bar (or on the console)."""
+        if progress is not None:
+            progress.console.print(text, markup=False)
+        elif self.console is not None:
+            self.console.print(text, markup=False)
 
-    def _progress(self, step: int, metrics: dict) -> None:
+    def _progress_bar(self):
+        """A live bar: steps done, reward, KL, validation accuracy, seconds per step, time left."""
         if self.console is None:
-            return
-        parts = [f"step {step}/{self.config.trainer.steps}", f"reward {metrics['reward/mean']:.3f}"]
-        if "kl" in metrics:
-            parts.append(f"kl {metrics['kl']:.4f}")
-        if "val/accuracy" in metrics:
-            parts.append(f"val acc {metrics['val/accuracy']:.3f}")
-        parts.append(f"{metrics['timing/step_s']:.2f} s/step")
-        self.console.print("  ".join(parts))
+            return _nothing(None)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(), console=self.console,
+        )  # fmt: skip
+        progress.add_task("train", total=self.config.trainer.steps, completed=self.start_step, status="")
+        return progress
+
+
+def _status(metrics: dict) -> str:
+    parts = [f"reward {metrics['reward/mean']:.3f}"]
+    if "kl" in metrics:
+        parts.append(f"kl {metrics['kl']:.4f}")
+    parts.append(f"{metrics['timing/step_s']:.2f} s/step")
+    return "  ".join(parts)
+
+
+def _line(step: int, total: int, metrics: dict) -> str:
+    return f"step {step}/{total}  {_status(metrics)}  val acc {metrics['val/accuracy']:.3f}"
 
 
 class _nothing:
