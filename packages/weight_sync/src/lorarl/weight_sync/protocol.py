@@ -18,8 +18,9 @@ The transfer ends with an all-reduce (MAX) of every rank's failure flag, so the 
 """
 
 import json
+import math
 from dataclasses import dataclass, field
-from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -59,18 +60,16 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    """A tensor's name, dtype (as named in DTYPES) and shape: what a manifest lists (a tuple: cheap by the 10,000)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
 
-    @cached_property
+    @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
@@ -85,8 +84,7 @@ class TensorSpec:
         return cls(name, dtype_name(dtype), tuple(int(size) for size in shape))
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """Bytes `[start, start + length)` of tensor `spec`: at `offset` in the bucket's payload, or `direct`."""
 
     spec: TensorSpec

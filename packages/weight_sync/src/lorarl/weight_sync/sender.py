@@ -29,6 +29,7 @@ from lorarl.weight_sync.transport import Channel
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # chosen by benchmarks/sync_throughput.py (see the package README)
 DEFAULT_DIRECT_BYTES = 1 << 20  # tensors this large are sent from their own memory rather than packed
+PACKED_BYTES = 16 << 20  # a bucket packs at most this much: small tensors in several buckets pipeline (pack/send/apply)
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
 
@@ -164,6 +165,7 @@ class _Packer:
 
     def __init__(self, bucket_bytes: int, direct_bytes: int, manifest: list[TensorSpec] | None, trusted: bool = False):
         self.capacity = bucket_bytes
+        self.packed_capacity = min(bucket_bytes, PACKED_BYTES)
         self.direct_from = min(direct_bytes, bucket_bytes)
         self.manifest = manifest
         self.trusted = trusted
@@ -185,7 +187,7 @@ class _Packer:
                 if sends_direct:
                     room = self.capacity - align(used) - direct_total
                 else:  # the payload is padded to ALIGN at its end
-                    room = (self.capacity - direct_total) // ALIGN * ALIGN - offset
+                    room = min(self.capacity - direct_total, self.packed_capacity) // ALIGN * ALIGN - offset
                 if room < min(rest, ALIGN) or (room <= 0 and rest == 0):
                     yield BucketHeader(index, False, entries), packed, direct
                     index, entries, packed, direct, used, direct_total = index + 1, [], [], [], 0, 0
