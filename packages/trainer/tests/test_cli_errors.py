@@ -45,3 +45,6 @@ def test_help_lists_every_key(capsys):
     out = capsys.readouterr().out
     for key in ("model.lora.rank", "rollout.n", "algorithm.clip_high", "trainer.resume", "reward.fn"):
         assert key in out
+    for preset in ("grpo", "dapo", "drgrpo", "rloo", "gspo"):  # the presets, with what each sets
+        assert f"\n  {preset} " in out
+    assert "clip_high=0.28 dynamic_sampling=True overlong_buffer_frac=0.2" in out

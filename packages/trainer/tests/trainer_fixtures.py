@@ -12,6 +12,11 @@ REWARD_FILE = '''
 def sevens(prompt, response, answer):
     """The share of 7s in the response: a random policy can learn to say 7."""
     return response.count("7") / max(len(response), 1)
+
+
+def has_seven(prompt, response, answer):
+    """1 if the response says 7 at all: a binary reward, so whole groups often agree (what dynamic sampling drops)."""
+    return float("7" in response)
 '''
 
 
@@ -41,7 +46,7 @@ def make_tiny_setup(root: Path) -> dict[str, str]:
     (root / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[300:332]))
     (root / "sevens.py").write_text(REWARD_FILE)
     return {"model": str(model), "train": str(root / "train.jsonl"), "val": str(root / "val.jsonl"),
-            "reward": f"{root / 'sevens.py'}:sevens"}  # fmt: skip
+            "reward": f"{root / 'sevens.py'}:sevens", "binary_reward": f"{root / 'sevens.py'}:has_seven"}  # fmt: skip
 
 
 def tiny_overrides(setup: dict[str, str], output_dir: Path, **extra) -> list[str]:

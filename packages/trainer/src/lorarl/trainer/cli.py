@@ -6,7 +6,7 @@ import sys
 
 from lorarl.trainer.config import ConfigError, help_text, load_config
 from lorarl.trainer.errors import TrainerError
-from lorarl.trainer.presets import PRESETS
+from lorarl.trainer.presets import PRESETS, presets_help
 
 USAGE = """usage: trainer [CONFIG.yaml] [key=value ...]
        trainer export --checkpoint DIR --merged OUT
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     console = Console(highlight=False, soft_wrap=True)
     if argv and argv[0] in ("-h", "--help"):
-        console.print(USAGE.format(presets="|".join(PRESETS)) + "\n" + help_text(), markup=False)
+        console.print(USAGE.format(presets="|".join(PRESETS)), presets_help(), "", help_text(), sep="\n", markup=False)
         return 0
     try:
         if argv and argv[0] == "export":

@@ -4,8 +4,8 @@
     uv run trainer my.yaml model.lora.rank=32        # a file, then overrides; later wins
     uv run trainer --help                            # every key, its type, default and meaning
 
-Unknown keys and wrong types are rejected naming the key and the closest valid key. Presets (issue 6) are selected
-with `algorithm=<name>`.
+Unknown keys and wrong types are rejected naming the key and the closest valid key. Presets (`presets.py`) are selected
+with `algorithm=<name>` (or `algorithm: <name>` in the file).
 """
 
 import difflib
@@ -22,8 +22,10 @@ class ConfigError(ValueError):
     """A configuration the trainer cannot run: names the key, says what is expected."""
 
 
-def option(default, help: str, choices: tuple | None = None):
-    meta = {"help": help, "choices": choices}
+def option(default, help: str, choices: tuple | None = None, *, minimum: float | None = None,
+           maximum: float | None = None):  # fmt: skip
+    """A key: its default, one-line meaning, and the values it accepts (a set of choices or an inclusive range)."""
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -53,7 +55,7 @@ class DataSection:
     val_files: list[str] = option(["default"], "validation files (same format)")
     prompt_key: str = option("prompt", "field holding the prompt")
     answer_key: str = option("answer", "field holding the reference answer (given to the reward)")
-    batch_size: int = option(32, "prompts per step (each sampled rollout.n times)")
+    batch_size: int = option(32, "prompts per step (each sampled rollout.n times)", minimum=1)
     max_prompt_tokens: int = option(512, "longer prompts are dropped (and counted)")
     chat_template: bool = option(True, "apply the tokenizer's chat template when it has one")
     val_size: int = option(500, "validation prompts used per evaluation (0 = all)")
@@ -62,10 +64,10 @@ class DataSection:
 @dataclass
 class RolloutSection:
     engine: str = option("hf", "rollout engine: hf (a worker process, CPU/GPU) or vllm (GPU)", ("hf", "vllm"))
-    n: int = option(8, "responses sampled per prompt (the GRPO group size)")
+    n: int = option(8, "responses sampled per prompt (the GRPO group size)", minimum=1)
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
-    max_tokens: int = option(8, "maximum response length in tokens")
+    max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
     sync: str = option("merged", "what the engine receives after each step", ("merged", "adapter"))
     bucket_mb: int = option(256, "weight-sync bucket size (MB)")
     batch_size: int = option(256, "sequences the hf engine generates at once")
@@ -80,8 +82,8 @@ class AlgorithmSection:
     norm_std: bool = option(True, "divide group-centred rewards by the group's std (grpo)")
     gamma: float = option(1.0, "discount along the response (reinforce_pp)")
     policy_loss: str = option("ppo", "policy loss", ("ppo", "gspo", "cispo"))
-    clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low)")
-    clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)")
+    clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low)", minimum=0.0, maximum=1.0)
+    clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)", minimum=0.0)
     dual_clip: float | None = option(None, "dual-clip bound c > 1 for negative advantages (None = off)")
     loss_agg_mode: str = option(
         "token-mean",
@@ -92,8 +94,17 @@ class AlgorithmSection:
     kl_estimator: str = option("k3", "KL estimator", ("k1", "k2", "k3", "low_var_kl"))
     kl_in_reward: bool = option(False, "subtract the KL from the reward instead of adding a loss term")
     entropy_coef: float = option(0.0, "entropy bonus weight")
-    ppo_epochs: int = option(1, "passes over each rollout batch")
-    mini_batches: int = option(1, "optimizer steps per pass")
+    ppo_epochs: int = option(1, "passes over each rollout batch", minimum=1)
+    mini_batches: int = option(1, "optimizer steps per pass", minimum=1)
+    dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards all agree, sample more prompts to refill")
+    max_sampling_rounds: int = option(10, "dynamic sampling: most generation rounds per step", minimum=1)
+    overlong_buffer_frac: float = option(
+        0.0, "DAPO overlong penalty ramp, as a share of rollout.max_tokens (0 = off)", minimum=0.0, maximum=1.0
+    )
+    overlong_penalty: float = option(1.0, "overlong shaping: the penalty at rollout.max_tokens")
+    mask_truncated: bool = option(False, "responses cut at rollout.max_tokens get no loss (DAPO's overlong filtering)")
+    rollout_correction: str = option("none", "truncated IS against engine mismatch", ("none", "token", "sequence"))
+    rollout_correction_cap: float = option(2.0, "truncation cap of the rollout-correction weights", minimum=1.0)
 
 
 @dataclass
@@ -113,7 +124,7 @@ class RewardSection:
 
 @dataclass
 class TrainerSection:
-    steps: int = option(120, "optimizer steps (rollout batches)")
+    steps: int = option(120, "optimizer steps (rollout batches)", minimum=0)
     eval_every: int = option(10, "validate (greedy) every so many steps, and at the start and end; 0 = never")
     save_every: int = option(0, "checkpoint every so many steps (always at the end); 0 = only at the end")
     output_dir: str | None = option(None, "where outputs go (default: outputs/<date-time>)")
@@ -135,26 +146,17 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), presets: dict | None = None) -> Config:
-    """The schema's defaults, then a preset (`algorithm=<name>`), then the YAML file, then `key=value` overrides."""
+    """The schema's defaults, then a preset (`algorithm=<name>`: on the command line, else `algorithm: <name>` in the
+    file), then the YAML file, then `key=value` overrides."""
     schema = OmegaConf.structured(Config)
-    layers = []
+    loaded = _read_yaml(path) if path is not None else {}
     overrides = list(overrides)
-    for item in [o for o in overrides if o.split("=", 1)[0] == "algorithm"]:
-        name = item.split("=", 1)[1]
-        if not presets or name not in presets:
-            raise ConfigError(f"algorithm={name}: unknown preset; choose one of {sorted(presets or {})}")
-        layers.append(OmegaConf.create({"algorithm": {"name": name, **presets[name]}}))
-        overrides.remove(item)
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
-        layers.append(OmegaConf.create(loaded))
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "algorithm"]
+    overrides = [o for o in overrides if o.split("=", 1)[0] != "algorithm"]
+    if isinstance(loaded.get("algorithm"), str):
+        chosen.insert(0, loaded.pop("algorithm"))
+    layers = [_preset_layer(name, presets) for name in chosen]
+    layers.append(OmegaConf.create(loaded))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"{item!r}: overrides are key=value (e.g. model.lora.rank=32)")
@@ -169,8 +171,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), prese
         key = _full_key(e)
         raise ConfigError(f"{key}: {e.msg.splitlines()[0]} (expected {_type_name(_field_type(key))})") from None
     config = OmegaConf.to_object(merged)
-    _check_choices(config)
+    _check_values(config)
     return config
+
+
+def _read_yaml(path: str | Path) -> dict:
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return loaded
+
+
+def _preset_layer(name: str, presets: dict | None):
+    if not presets or name not in presets:
+        raise ConfigError(f"algorithm={name}: unknown preset; choose one of {sorted(presets or {})}")
+    return OmegaConf.create({"algorithm": {"name": name, **presets[name].settings}})
 
 
 def to_yaml(config: Config) -> str:
@@ -182,8 +202,10 @@ def help_text() -> str:
     lines = ["Configuration keys (set in a YAML file or as key=value; later wins):", ""]
     for key, f in _leaves(Config):
         default = f.default_factory() if f.default is MISSING else f.default
-        choices = f.metadata.get("choices")
+        choices, low, high = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
         meaning = f.metadata.get("help", "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
+        if low is not None or high is not None:
+            meaning += f" [{'' if low is None else low}..{'' if high is None else high}]"
         lines.append(f"  {key:32} {_type_name(f.type):10} {default!r:18} {meaning}")
     return "\n".join(lines)
 
@@ -232,15 +254,16 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _check_choices(config: Config) -> None:
+def _check_values(config: Config) -> None:
     for key, f in _leaves(Config):
-        choices = f.metadata.get("choices")
-        if not choices:
-            continue
         section, name = key.rsplit(".", 1)
         value = getattr(_resolve(config, section), name)
-        if value not in choices:
+        choices, low, high = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
+        if choices and value not in choices:
             raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(str, choices))}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            expected = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+            raise ConfigError(f"{key}={value!r}: expected a value {expected}")
 
 
 def _resolve(config: Config, dotted: str):

@@ -3,6 +3,7 @@
 import math
 import random
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -128,43 +129,25 @@ class Trainer:
         return summary
 
     def train_step(self, step: int) -> dict:
-        cfg, a, r = self.config, self.config.algorithm, self.config.rollout
+        a = self.config.algorithm
         started = time.perf_counter()
-        examples = [self.train_set[i] for i in self.sampler.next_batch()]
-        completions = self.engine.generate(
-            [e.prompt_ids for e in examples],
-            n=r.n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_tokens=r.max_tokens,
-            seed=_step_seed(cfg.trainer.seed, step),
-        )
-        self._check_versions(completions)
+        samples, metrics = self._collect(step)
         rollout_s = time.perf_counter() - started
 
-        prompts = [examples[c.prompt_index].prompt_ids for c in completions]
-        responses = [c.token_ids for c in completions]
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        scores = torch.tensor(rewards.score(self.reward_fn, [examples[c.prompt_index].prompt for c in completions],
-                                            texts, [examples[c.prompt_index].answer for c in completions]))  # fmt: skip
-        lengths = torch.tensor([len(x) for x in responses])
-        width = max(1, int(lengths.max()))
-        mask = torch.arange(width)[None, :] < lengths[:, None]
-        group = torch.tensor([c.prompt_index for c in completions])
-
         train_started = time.perf_counter()
-        sample_lengths = [len(p) + len(x) for p, x in zip(prompts, responses, strict=True)]
+        batch = _batch(samples, mask_truncated=a.mask_truncated)
         with torch.no_grad():
-            reference = self._logprobs_all(prompts, responses, width, sample_lengths, reference=True)
-            needs_old = a.ppo_epochs > 1 or a.mini_batches > 1
-            old = self._logprobs_all(prompts, responses, width, sample_lengths) if needs_old else None
-        adjusted = scores.clone()
-        if reference is not None and a.kl_coef > 0 and a.kl_in_reward:
-            current = old if old is not None else self._logprobs_all(prompts, responses, width, sample_lengths)
-            kl = algorithms.kl_penalty(current, reference, a.kl_estimator)
-            adjusted = scores - a.kl_coef * (kl * mask).sum(1)
-        adv = algorithms.advantages(a.adv_estimator, adjusted, group, mask, norm_std=a.norm_std, gamma=a.gamma)
-        update = self._update(step, prompts, responses, width, sample_lengths, mask, adv, old, reference)
+            batch.reference = self._logprobs_all(batch, reference=True)
+            if a.ppo_epochs > 1 or a.mini_batches > 1:
+                batch.old = self._logprobs_all(batch)
+        rewards = batch.rewards
+        if batch.reference is not None and a.kl_coef > 0 and a.kl_in_reward:
+            current = batch.old if batch.old is not None else self._logprobs_all(batch)
+            kl = algorithms.kl_penalty(current, batch.reference, a.kl_estimator)
+            rewards = rewards - a.kl_coef * (kl * batch.loss_mask).sum(1)
+        batch.advantages = algorithms.advantages(a.adv_estimator, rewards, batch.group, batch.loss_mask,
+                                                 norm_std=a.norm_std, gamma=a.gamma)  # fmt: skip
+        metrics.update(self._update(step, batch))
         self.scheduler.step()
         train_s = time.perf_counter() - train_started
 
@@ -172,11 +155,7 @@ class Trainer:
         stats = self._sync(version=step)
         sync_s = time.perf_counter() - sync_started
         return {
-            "reward/mean": float(scores.mean()),
-            "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
-            "response_length/mean": float(lengths.float().mean()),
-            "response_length/truncated": float(np.mean([not c.finished for c in completions])),
-            **update,
+            **metrics,
             "lr": self.scheduler.get_last_lr()[0],
             "data/epoch": self.sampler.epoch,
             "timing/rollout_s": rollout_s,
@@ -186,43 +165,100 @@ class Trainer:
             "sync/bytes": stats.bytes,
         }
 
-    def _update(self, step, prompts, responses, width, sample_lengths, mask, adv, old, reference) -> dict:
+    def _collect(self, step: int) -> tuple[list["Sample"], dict]:
+        """Rollouts of a batch of prompts, scored. With dynamic sampling (DAPO), groups whose rewards all agree are
+        dropped and more prompts are drawn until `data.batch_size` groups are kept or `max_sampling_rounds` is
+        reached; then the step trains on what was kept (on the last round's samples if nothing was)."""
+        a, batch_size = self.config.algorithm, self.config.data.batch_size
+        drawn, kept, groups = [], [], 0
+        rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
+        for round_ in range(rounds):
+            samples = self._generate(step, round_, first_group=groups)
+            groups += len({s.group for s in samples})
+            drawn += samples
+            if not a.dynamic_sampling:
+                kept = samples
+                break
+            informative = algorithms.informative_groups(torch.tensor([s.reward for s in samples]),
+                                                        torch.tensor([s.group for s in samples]))  # fmt: skip
+            kept += [s for s, keep in zip(samples, informative.tolist(), strict=True) if keep]
+            if len({s.group for s in kept}) >= batch_size:
+                break
+        metrics = _rollout_metrics(drawn)
+        if a.dynamic_sampling:
+            chosen = set(sorted({s.group for s in kept})[:batch_size])
+            kept = [s for s in kept if s.group in chosen] or samples
+            metrics.update({"sampling/rounds": round_ + 1, "sampling/prompts": groups,
+                            "sampling/kept_groups": len(chosen)})  # fmt: skip
+        return kept, metrics
+
+    def _generate(self, step: int, round_: int, first_group: int) -> list["Sample"]:
+        """One batch of prompts from the sampler, `rollout.n` responses each, scored (and overlong-shaped)."""
+        cfg, r, a = self.config, self.config.rollout, self.config.algorithm
+        examples = [self.train_set[i] for i in self.sampler.next_batch()]
+        completions = self.engine.generate([e.prompt_ids for e in examples], n=r.n, temperature=r.temperature,
+                                           top_p=r.top_p, max_tokens=r.max_tokens,
+                                           seed=_step_seed(cfg.trainer.seed, step, round_))  # fmt: skip
+        self._check_versions(completions)
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        chosen = [examples[c.prompt_index] for c in completions]
+        scores = rewards.score(self.reward_fn, [e.prompt for e in chosen], texts, [e.answer for e in chosen])
+        penalties = [0.0] * len(completions)
+        if a.overlong_buffer_frac > 0:
+            buffer = max(1, round(a.overlong_buffer_frac * r.max_tokens))
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
+            penalties = algorithms.overlong_penalty(lengths, r.max_tokens, buffer, a.overlong_penalty).tolist()
+        return [Sample(list(e.prompt_ids), c, first_group + c.prompt_index, score, score + penalty)
+                for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
+
+    def _update(self, step: int, batch: "Batch") -> dict:
         """PPO epochs x mini-batches x micro-batches (gradient accumulation bounded by tokens)."""
         a, actor = self.config.algorithm, self.config.actor
         temperature = self.config.rollout.temperature
         sums: dict[str, float] = {}
         order = torch.randperm(
-            len(prompts), generator=torch.Generator().manual_seed(_step_seed(self.config.trainer.seed, step))
+            len(batch.prompts), generator=torch.Generator().manual_seed(_step_seed(self.config.trainer.seed, step))
         )
+        seen_old = torch.zeros_like(batch.rollout_logp)  # π_old of every sample, for the mismatch metrics
         self.model.train()
-        for _ in range(a.ppo_epochs):
+        for epoch in range(a.ppo_epochs):
             for minibatch in torch.tensor_split(order, a.mini_batches):
                 minibatch = minibatch.tolist()
                 totals = {
-                    "total_tokens": float(mask[minibatch].sum().clamp(min=1)),
+                    "total_tokens": float(batch.loss_mask[minibatch].sum().clamp(min=1)),
                     "total_sequences": float(len(minibatch)),
+                    "norm_len": self.config.rollout.max_tokens,  # Dr. GRPO's constant length
                 }
-                for micro in micro_batches([sample_lengths[i] for i in minibatch], actor.micro_batch_tokens):
+                for micro in micro_batches([batch.sample_lengths[i] for i in minibatch], actor.micro_batch_tokens):
                     rows = [minibatch[i] for i in micro]
-                    packed = pack([prompts[i] for i in rows], [responses[i] for i in rows], width, self.device)
+                    packed = pack([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
+                                  self.device)  # fmt: skip
                     logp, entropy = response_logprobs(self.model, packed, temperature=temperature, entropy=True)
-                    m = mask[rows].to(self.device)
-                    old_logp = old[rows].to(self.device) if old is not None else logp.detach()
+                    m = batch.loss_mask[rows].to(self.device)
+                    old_logp = batch.old[rows].to(self.device) if batch.old is not None else logp.detach()
+                    if epoch == 0:
+                        seen_old[rows] = old_logp.cpu()
+                    is_weights = None
+                    if a.rollout_correction != "none":
+                        rollout_logp = batch.rollout_logp[rows].to(self.device)
+                        is_weights = algorithms.rollout_is_weights(old_logp, rollout_logp, m, a.rollout_correction,
+                                                                   a.rollout_correction_cap)  # fmt: skip
                     loss, info = algorithms.policy_loss(
                         a.policy_loss,
                         logp,
                         old_logp,
-                        adv[rows].to(self.device),
+                        batch.advantages[rows].to(self.device),
                         m,
                         clip_low=a.clip_low,
                         clip_high=a.clip_high,
                         dual_clip=a.dual_clip,
                         loss_agg_mode=a.loss_agg_mode,
+                        is_weights=is_weights,
                         **totals,
                     )
                     share = float(m.sum()) / totals["total_tokens"]
-                    if reference is not None:
-                        kl = algorithms.kl_penalty(logp, reference[rows].to(self.device), a.kl_estimator)
+                    if batch.reference is not None:
+                        kl = algorithms.kl_penalty(logp, batch.reference[rows].to(self.device), a.kl_estimator)
                         info["kl"] = float((kl.detach() * m).sum() / m.sum().clamp(min=1))
                         if a.kl_coef > 0 and not a.kl_in_reward:
                             loss = loss + a.kl_coef * algorithms.aggregate(kl, m, a.loss_agg_mode, **totals)
@@ -236,7 +272,13 @@ class Trainer:
                         sums[key] = sums.get(key, 0.0) + value * share
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(self._optimizer_step())
         steps = a.ppo_epochs * a.mini_batches
-        return {key: value / steps for key, value in sums.items()}
+        metrics = {key: value / steps for key, value in sums.items()}
+        metrics.update(algorithms.rollout_mismatch(seen_old, batch.rollout_logp, batch.response_mask))
+        if a.rollout_correction != "none":
+            weights = algorithms.rollout_is_weights(seen_old, batch.rollout_logp, batch.loss_mask,
+                                                    a.rollout_correction, a.rollout_correction_cap)  # fmt: skip
+            metrics["rollout/is_weight_mean"] = float(weights.sum() / batch.loss_mask.sum().clamp(min=1))
+        return metrics
 
     def _optimizer_step(self) -> torch.Tensor:
         clip = self.config.actor.grad_clip
@@ -245,7 +287,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _logprobs_all(self, prompts, responses, width, sample_lengths, reference: bool = False) -> torch.Tensor | None:
+    def _logprobs_all(self, batch: "Batch", reference: bool = False) -> torch.Tensor | None:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
         temperature = self.config.rollout.temperature
         if reference and not self.policy.is_lora and self.policy.frozen_reference is None:
@@ -254,8 +296,9 @@ class Trainer:
         context = self.policy.reference() if reference else _nothing(self.model)
         with context as model:
             model.eval()
-            for micro in micro_batches(sample_lengths, self.config.actor.micro_batch_tokens):
-                packed = pack([prompts[i] for i in micro], [responses[i] for i in micro], width, self.device)
+            for micro in micro_batches(batch.sample_lengths, self.config.actor.micro_batch_tokens):
+                packed = pack([batch.prompts[i] for i in micro], [batch.responses[i] for i in micro], batch.width,
+                              self.device)  # fmt: skip
                 parts.append(response_logprobs(model, packed, temperature=temperature)[0].cpu())
         return torch.cat(parts)
 
@@ -311,6 +354,73 @@ class Trainer:
         return progress
 
 
+@dataclass
+class Sample:
+    """One response, scored: `score` is the reward function's value, `reward` what advantages see (after shaping)."""
+
+    prompt_ids: list[int]
+    completion: Completion
+    group: int  # responses to the same prompt (in this step) share it
+    score: float
+    reward: float
+
+
+@dataclass
+class Batch:
+    """The step's training batch as tensors `[N]` / `[N, R]`, filled in as the step goes."""
+
+    prompts: list[list[int]]
+    responses: list[tuple[int, ...]]
+    width: int  # R: the longest response
+    sample_lengths: list[int]  # prompt + response tokens (what a micro-batch holds)
+    response_mask: torch.Tensor  # every response token
+    loss_mask: torch.Tensor  # the tokens that get a loss (truncated responses dropped with mask_truncated)
+    rollout_logp: torch.Tensor  # the engine's log-probs of the sampled tokens
+    rewards: torch.Tensor
+    group: torch.Tensor
+    reference: torch.Tensor | None = None
+    old: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+
+def _batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
+    responses = [s.completion.token_ids for s in samples]
+    lengths = torch.tensor([len(x) for x in responses])
+    width = max(1, int(lengths.max()))
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    finished = torch.tensor([s.completion.finished for s in samples])
+    rollout_logp = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        rollout_logp[i, : len(s.completion.logprobs)] = torch.tensor(s.completion.logprobs)
+    return Batch(
+        prompts=[s.prompt_ids for s in samples],
+        responses=responses,
+        width=width,
+        sample_lengths=[len(s.prompt_ids) + len(x) for s, x in zip(samples, responses, strict=True)],
+        response_mask=mask,
+        loss_mask=mask & finished[:, None] if mask_truncated else mask,
+        rollout_logp=rollout_logp,
+        rewards=torch.tensor([s.reward for s in samples]),
+        group=torch.tensor([s.group for s in samples]),
+    )
+
+
+def _rollout_metrics(samples: list[Sample]) -> dict:
+    """What the policy does, over every response generated this step (kept by dynamic sampling or not)."""
+    scores = np.array([s.score for s in samples])
+    lengths = np.array([len(s.completion.token_ids) for s in samples])
+    metrics = {
+        "reward/mean": float(scores.mean()),
+        "reward/std": float(scores.std(ddof=1)) if scores.size > 1 else 0.0,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/truncated": float(np.mean([not s.completion.finished for s in samples])),
+    }
+    penalties = np.array([s.reward - s.score for s in samples])
+    if penalties.any():
+        metrics["reward/overlong_penalty"] = float(penalties.mean())
+    return metrics
+
+
 def _status(metrics: dict) -> str:
     parts = [f"reward {metrics['reward/mean']:.3f}"]
     if "kl" in metrics:
@@ -340,8 +450,9 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _step_seed(seed: int, step: int) -> int:
-    return seed * 1_000_003 + step
+def _step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The seed of a step's sampling (and its `round_`-th extra sampling round with dynamic sampling)."""
+    return seed * 1_000_003 + step + round_ * 1_000_000_007
 
 
 def _lr_factor(warmup: int, total: int, schedule: str):

@@ -1,5 +1,47 @@
-"""Ready-made algorithm settings, selected with `algorithm=<name>` (each overrides the `algorithm` section)."""
+"""Ready-made algorithm settings, selected with `algorithm=<name>`; each overrides the `algorithm` section and is then
+overridden by a YAML file and `key=value` pairs. Settings follow the papers and verl's recipes, so results transfer."""
 
-PRESETS: dict[str, dict] = {
-    "grpo": {"adv_estimator": "grpo", "norm_std": True, "policy_loss": "ppo", "loss_agg_mode": "token-mean"},
+from typing import NamedTuple
+
+
+class Preset(NamedTuple):
+    summary: str
+    settings: dict
+
+
+_BASE = {
+    "adv_estimator": "grpo",
+    "norm_std": True,
+    "policy_loss": "ppo",
+    "clip_low": 0.2,
+    "clip_high": 0.2,
+    "loss_agg_mode": "token-mean",
+    "dynamic_sampling": False,
+    "overlong_buffer_frac": 0.0,
 }
+
+PRESETS: dict[str, Preset] = {
+    "grpo": Preset("GRPO (Shao et al. 2024): group-normalised advantages, PPO clip", _BASE),
+    "dapo": Preset(
+        "DAPO (Yu et al. 2025): clip-higher 0.28, token-mean, dynamic sampling, overlong penalty over the last 20%",
+        {**_BASE, "clip_high": 0.28, "dynamic_sampling": True, "overlong_buffer_frac": 0.2},
+    ),
+    "drgrpo": Preset(
+        "Dr. GRPO (Liu et al. 2025): no std division, per-sequence sums over a constant length",
+        {**_BASE, "adv_estimator": "drgrpo", "norm_std": False, "loss_agg_mode": "seq-mean-token-sum-norm"},
+    ),
+    "rloo": Preset("RLOO (Ahmadian et al. 2024): leave-one-out baseline", {**_BASE, "adv_estimator": "rloo"}),
+    "gspo": Preset(
+        "GSPO (Zheng et al. 2025): sequence-level ratio clipped to [1-3e-4, 1+4e-4], seq-mean-token-mean",
+        {**_BASE, "policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
+    ),
+}
+
+
+def presets_help() -> str:
+    lines = ["Presets (algorithm=<name>, before the other settings):", ""]
+    for name, preset in PRESETS.items():
+        changed = {k: v for k, v in preset.settings.items() if name == "grpo" or _BASE.get(k) != v}
+        lines.append(f"  {name:8} {preset.summary}")
+        lines.append(f"  {'':8}   " + " ".join(f"{k}={v}" for k, v in changed.items()))
+    return "\n".join(lines)
