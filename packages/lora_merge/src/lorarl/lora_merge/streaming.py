@@ -5,9 +5,16 @@ tensors), but never merges in place: each LoRA layer's `W + s·B@A` is computed 
 before it is yielded, so the base stays bit-identical (no bf16 unmerge drift) and the extra memory is one module's
 weight while the consumer holds it. Other tensors are yielded as detached views of the model's own (no copy) unless
 `dtype` asks for a cast.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`): each sharded unit (e.g. a decoder layer) is all-gathered when the walk
+enters it and freed when it leaves, so the extra memory is one unit (plus the root unit: embeddings, final norm, head)
+— what lets a 70B model's merged weights stream out of a sharded trainer. The gathers are collectives: every rank of
+the mesh iterates in lockstep (typically rank 0 sends what it yields, the others discard it), and yielded tensors are
+copies, valid after their unit is freed again.
 """
 
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
@@ -27,7 +34,12 @@ def iter_merged_weights(
     one(s). `dtype`: cast floating tensors to it (merged weights are rounded once, straight to `dtype`).
     Raises `NotImplementedError` naming the layer for DoRA and other LoRA variants, and for non-LoRA tuner layers.
     """
-    yield from _walk(_base_model(model), "", _Merger(model, adapter_name, dtype, backend))
+    merger = _Merger(model, adapter_name, dtype, backend)
+    base = _base_model(model)
+    with ExitStack() as stack:  # FSDP units above the base model (e.g. the sharded PeftModel root) stay gathered
+        for ancestor in _fsdp_ancestors(model, base):
+            stack.enter_context(_gathered(ancestor, merger))
+        yield from _walk(base, "", merger)
 
 
 def merged_weight_specs(
@@ -49,6 +61,7 @@ class _Merger:
         self.dtype = dtype
         self.backend = backend
         self.specs_only = specs_only
+        self.sharded = _fsdp_class() is not None and any(isinstance(m, _fsdp_class()) for m in model.modules())
         # id(base weight) -> (name, LoRA layer) that merges it: its tied partners get the merged value too
         self.merged_elsewhere = {
             id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(_base_model(model))
@@ -59,7 +72,10 @@ class _Merger:
         dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
         if self.specs_only:
             return torch.empty(tensor.shape, dtype=dtype, device="meta")
-        return tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):  # a DTensor outside any FSDP unit: gather it (collective)
+            return tensor.full_tensor().to(dtype)
+        # a sharded model frees its gathered storage when the walk leaves the unit: hand out a copy
+        return tensor.to(dtype, copy=self.sharded)
 
     def merged_weight(self, name: str, layer: nn.Module) -> torch.Tensor:
         """The layer's base weight with its adapter(s) merged: `W + Σ s_i · B_i @ A_i`, one rounding."""
@@ -118,6 +134,11 @@ class _Merger:
 
 def _walk(module: nn.Module, prefix: str, merger: _Merger) -> NamedTensors:
     """`module.state_dict()`'s traversal (own parameters, persistent buffers, children), with tuner layers resolved."""
+    with _gathered(module, merger):
+        yield from _walk_gathered(module, prefix, merger)
+
+
+def _walk_gathered(module: nn.Module, prefix: str, merger: _Merger) -> NamedTensors:
     from peft.tuners.lora import Embedding as LoraEmbedding
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -164,6 +185,36 @@ def _own_tensors(module: nn.Module, prefix: str, merger: _Merger, replaced: dict
     for key, buffer in module._buffers.items():
         if buffer is not None and key not in module._non_persistent_buffers_set:
             yield prefix + key, merger.plain(buffer)
+
+
+def _fsdp_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return None
+    return FSDPModule
+
+
+@contextmanager
+def _gathered(module: nn.Module, merger: _Merger):
+    """An FSDP2 unit's full parameters while the walk is inside it (all-gather in, free out); others: nothing."""
+    fsdp = _fsdp_class()
+    if merger.specs_only or fsdp is None or not isinstance(module, fsdp):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
+
+def _fsdp_ancestors(model: nn.Module, base: nn.Module) -> list[nn.Module]:
+    """FSDP2 units that hold `base` (wrappers around it, e.g. a sharded `PeftModel`), outermost first."""
+    fsdp = _fsdp_class()
+    if fsdp is None or model is base:
+        return []
+    return [m for m in model.modules() if isinstance(m, fsdp) and m is not base and any(c is base for c in m.modules())]
 
 
 def _module_to_save(wrapper: nn.Module, adapter_name: str | None) -> nn.Module:
