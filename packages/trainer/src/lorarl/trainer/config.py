@@ -71,6 +71,8 @@ class RolloutSection:
     sync: str = option("merged", "what the engine receives after each step", ("merged", "adapter"))
     bucket_mb: int = option(256, "weight-sync bucket size (MB)")
     batch_size: int = option(256, "sequences the hf engine generates at once")
+    replicas: int = option(1, "rollout engine replicas, prompts spread across them (> 1 needs trainer.backend=ray)",
+                           minimum=1)  # fmt: skip
 
 
 @dataclass
@@ -131,7 +133,8 @@ class TrainerSection:
     seed: int = option(0, "seed for data order, sampling and initialisation")
     resume: str = option("never", "never, auto (latest checkpoint in output_dir) or a checkpoint directory")
     device: str = option("auto", "auto, cpu or cuda")
-    backend: str = option("local", "local (one machine) or ray", ("local", "ray"))
+    backend: str = option("local", "local (engine in a child process) or ray (engines as Ray actors)", ("local", "ray"))
+    ray_address: str | None = option(None, "Ray cluster to join (e.g. auto, or host:6379); None = start a local one")
 
 
 @dataclass

@@ -48,29 +48,23 @@ class EngineError(TrainerError):
     """The rollout engine failed (its own traceback is in the message) or died."""
 
 
+def hf_settings(model_path: Path | str, *, dtype: torch.dtype, device: str, eos_token_id: int, pad_token_id: int,
+                batch_size: int, timeout: float = 600.0) -> dict:  # fmt: skip
+    """What an HF rollout worker needs to build its model and generate (plain data: it crosses process bounds)."""
+    return {"model_path": str(model_path), "dtype": dtype, "device": device, "eos": eos_token_id, "pad": pad_token_id,
+            "batch_size": batch_size, "timeout": timeout}  # fmt: skip
+
+
 class HFEngine:
     """Hugging Face `generate` in a worker process, weights received over a gloo sync group."""
 
-    def __init__(
-        self,
-        model_path: Path,
-        *,
-        dtype: torch.dtype,
-        device: str,
-        eos_token_id: int,
-        pad_token_id: int,
-        batch_size: int,
-        bucket_bytes: int,
-        timeout: float = 600.0,
-    ):
+    def __init__(self, settings: dict, *, bucket_bytes: int):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         port = free_port()
-        settings = {"model_path": str(model_path), "dtype": dtype, "device": device, "eos": eos_token_id,
-                    "pad": pad_token_id, "batch_size": batch_size, "port": port, "timeout": timeout}  # fmt: skip
-        self.process = ctx.Process(target=_serve, args=(child, settings), daemon=True, name="lorarl-hf-engine")
+        self.process = ctx.Process(target=_serve, args=(child, settings, port), daemon=True, name="lorarl-hf-engine")
         self.process.start()
-        self.timeout = timeout
+        self.timeout = timeout = settings["timeout"]
         group = create_sync_group("127.0.0.1", port, 2, 0, timeout=timeout)
         self.sender = BucketSender(group, bucket_bytes=bucket_bytes, timeout=timeout)
         self.version = self._reply("start")
@@ -118,36 +112,54 @@ class HFEngine:
         return value
 
 
-# --- the worker process --------------------------------------------------------------------------------------------
+# --- the worker ----------------------------------------------------------------------------------------------------
 
 
-def _serve(conn, settings: dict) -> None:
-    from transformers import AutoModelForCausalLM
+class HFWorker:
+    """What a rollout engine process (or Ray actor) holds: the model, and its end of the weight-sync group."""
 
-    try:
-        group = create_sync_group("127.0.0.1", settings["port"], 2, 1, timeout=settings["timeout"])
-        receiver = BucketReceiver(group, timeout=settings["timeout"])
+    def __init__(self, settings: dict):
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
         model = AutoModelForCausalLM.from_pretrained(settings["model_path"], dtype=settings["dtype"])
-        model = model.to(settings["device"]).eval()
-        version = 0  # the weights from disk
-        conn.send(("ok", version))
+        self.model = model.to(settings["device"]).eval()
+        self.version = 0  # the weights from disk
+        self.receiver: BucketReceiver | None = None
+
+    def join(self, host: str, port: int, world_size: int, rank: int) -> int:
+        timeout = self.settings["timeout"]
+        group = create_sync_group(host, port, world_size, rank, timeout=timeout)
+        self.receiver = BucketReceiver(group, timeout=timeout)
+        return self.version
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+        return _generate(self.model, self.settings, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+
+    def receive(self) -> int:
+        self.version = self.receiver.load_into(self.model)
+        return self.version
+
+    def checksum(self) -> str:
+        return _checksum(self.model)
+
+
+def _serve(conn, settings: dict, port: int) -> None:
+    try:
+        worker = HFWorker(settings)
+        conn.send(("ok", worker.join("127.0.0.1", port, 2, 1)))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
+    commands = {"generate": worker.generate, "receive": worker.receive, "checksum": worker.checksum}
     while True:
         command, args = conn.recv()
         if command == "close":
             return
         try:
-            if command == "generate":
-                reply = _generate(model, settings, version, *args)
-            elif command == "receive":
-                version = reply = receiver.load_into(model)
-            elif command == "checksum":
-                reply = _checksum(model)
-            else:
+            if command not in commands:
                 raise ValueError(f"unknown command {command!r}")
-            conn.send(("ok", reply))
+            conn.send(("ok", commands[command](*args)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
 

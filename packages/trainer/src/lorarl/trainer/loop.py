@@ -13,7 +13,7 @@ import torch
 from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
 from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
-from lorarl.trainer.engine import Completion, EngineError, HFEngine, RolloutEngine
+from lorarl.trainer.engine import Completion, EngineError, HFEngine, RolloutEngine, hf_settings
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.logprobs import micro_batches, pack, response_logprobs
 from lorarl.trainer.metrics import MetricsLog, plot
@@ -29,8 +29,8 @@ class Trainer:
         _seed_everything(t.seed)
         self.device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if t.device == "auto" else t.device))  # fmt: skip
-        if t.backend != "local":
-            raise TrainerError(f"trainer.backend={t.backend!r} is not available in this version (use local)")
+        if config.rollout.replicas > 1 and t.backend != "ray":
+            raise TrainerError(f"rollout.replicas={config.rollout.replicas} needs trainer.backend=ray")
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
         self.tokenizer = load_tokenizer(self.policy.path)
@@ -88,9 +88,15 @@ class Trainer:
         r = self.config.rollout
         if r.engine != "hf":
             raise TrainerError(f"rollout.engine={r.engine!r} is not available in this version (use hf)")
-        return HFEngine(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
-                        eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                        batch_size=r.batch_size, bucket_bytes=r.bucket_mb << 20)  # fmt: skip
+        settings = hf_settings(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
+                               eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                               batch_size=r.batch_size)  # fmt: skip
+        if self.config.trainer.backend == "ray":
+            from lorarl.trainer.ray_engine import RayHFEngines
+
+            return RayHFEngines(settings, replicas=r.replicas, bucket_bytes=r.bucket_mb << 20,
+                                address=self.config.trainer.ray_address)  # fmt: skip
+        return HFEngine(settings, bucket_bytes=r.bucket_mb << 20)
 
     # --- the run -------------------------------------------------------------------------------------------------
 

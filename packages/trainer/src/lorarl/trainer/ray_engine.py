@@ -1,0 +1,97 @@
+"""Rollout engines as Ray actors (`trainer.backend=ray`): `rollout.replicas` HF workers in a placement group, the
+prompts spread across them, the weights broadcast to all of them at once over one sync group (the trainer is rank 0,
+replica i is rank i + 1). Ray places the actors, on this machine or across a cluster (`trainer.ray_address`)."""
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from lorarl.trainer.engine import Completion, EngineError, HFWorker
+from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
+
+# Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
+# workers run this interpreter instead. Read when Ray is imported (lazily, below); =1 brings the hook back.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+class RayHFEngines:
+    """The `RolloutEngine` interface over several HF worker actors."""
+
+    def __init__(self, settings: dict, *, replicas: int, bucket_bytes: int, address: str | None = None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.timeout = settings["timeout"]
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:  # a local Ray: logical CPUs enough for every replica even on a small machine
+            ray.init(address=address, num_cpus=None if address else max(os.cpu_count() or 1, replicas + 1),
+                     include_dashboard=False)  # fmt: skip
+        gpu = settings["device"].startswith("cuda")
+        self.placement = placement_group([{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}] * replicas, strategy="PACK")
+        self._get(self.placement.ready(), f"placing {replicas} rollout replicas (not enough free resources?)")
+        worker = ray.remote(HFWorker)
+        self.actors = [
+            worker.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement, placement_group_bundle_index=i)).remote(settings)
+            for i in range(replicas)
+        ]  # fmt: skip
+        host, port = ray.util.get_node_ip_address(), free_port()
+        joined = [actor.join.remote(host, port, replicas + 1, i + 1) for i, actor in enumerate(self.actors)]
+        group = create_sync_group(host, port, replicas + 1, 0, timeout=self.timeout)
+        self.sender = BucketSender(group, bucket_bytes=bucket_bytes, timeout=self.timeout)
+        self.version = self._same(self._get(joined, "start"), "weights version")
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[Completion]:
+        """Contiguous slices of the prompts, one per replica (each seeded by `seed` and its index), in order."""
+        size = -(-len(prompts) // len(self.actors))
+        starts = range(0, len(prompts), size)
+        futures = [actor.generate.remote([list(p) for p in prompts[start : start + size]], n, temperature, top_p,
+                                         max_tokens, seed + 7919 * i)
+                   for i, (actor, start) in enumerate(zip(self.actors, starts, strict=False))]  # fmt: skip
+        completions = []
+        for start, part in zip(starts, self._get(futures, "generate"), strict=False):
+            completions += [dataclasses.replace(c, prompt_index=c.prompt_index + start) for c in part]
+        return completions
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
+    ) -> SyncStats:
+        received = [actor.receive.remote() for actor in self.actors]
+        stats = self.sender.send(named_tensors, version=version, manifest=manifest)
+        self.version = self._same(self._get(received, "receive"), "weights version")
+        if self.version != version:
+            raise EngineError(f"the engines report weights version {self.version} after receiving {version}")
+        return stats
+
+    def weights_checksum(self) -> str:
+        return self._same(self._get([actor.checksum.remote() for actor in self.actors], "checksum"), "weights")
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(self.placement)
+        if self.started_ray:
+            ray.shutdown()
+
+    def _get(self, futures, what: str):
+        import ray
+
+        try:
+            return ray.get(futures, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise EngineError(f"the rollout replicas did not answer {what!r} within {self.timeout:g} s") from None
+        except ray.exceptions.RayError as e:
+            raise EngineError(f"a rollout replica failed during {what!r}:\n{e}") from None
+
+    @staticmethod
+    def _same(values: list, what: str):
+        if len(set(values)) != 1:
+            raise EngineError(f"the rollout replicas disagree on their {what}: {values}")
+        return values[0]
