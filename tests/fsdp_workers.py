@@ -1,6 +1,5 @@
 """Ranks of the FSDP2 tests: a tiny LoRA Qwen2 sharded with `fully_shard` over gloo on CPU."""
 
-import torch
 import torch.distributed as dist
 from sync_e2e_workers import fingerprint
 from tiny_models import tiny_lora_qwen2

@@ -20,11 +20,14 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step_{step}"
 
 
-def save(output_dir: Path, step: int, model: nn.Module, *, is_lora: bool, state: dict, config_yaml: str) -> Path:
+def save(output_dir: Path, step: int, model: nn.Module, *, is_lora: bool, state: dict, config_yaml: str,
+         weights: dict[str, torch.Tensor] | None = None) -> Path:  # fmt: skip
+    """`weights`: the state dict to write instead of the model's own (gathered from a sharded model)."""
     final = checkpoint_dir(output_dir, step)
     temporary = final.parent / f".incomplete-{final.name}-{uuid.uuid4().hex[:8]}"
     temporary.mkdir(parents=True)
-    model.save_pretrained(temporary / ("adapter" if is_lora else "model"), safe_serialization=True)
+    extra = {} if weights is None else {"state_dict": weights}
+    model.save_pretrained(temporary / ("adapter" if is_lora else "model"), safe_serialization=True, **extra)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}  # noqa: NPY002
     torch.save({**state, "step": step, "rng": rng}, temporary / STATE)
     (temporary / "config.yaml").write_text(config_yaml)

@@ -37,12 +37,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TrainerError) as e:
         console.print(f"error: {e}", markup=False, style="red")
         return 2
+    finally:
+        _leave_process_group()
+    if not summary:  # a data-parallel rank other than 0: rank 0 reports
+        return 0
     start, end = summary["val_accuracy_start"], summary["val_accuracy_end"]
     console.print(f"done: {summary['steps']} steps; outputs in {summary['output_dir']}", markup=False)
     if start is not None and end is not None:
         console.print(f"validation accuracy: {start:.3f} at the start -> {end:.3f} at the end "
                       f"({100 * (end - start):+.1f} points)", markup=False)  # fmt: skip
     return 0
+
+
+def _leave_process_group() -> None:
+    """Data-parallel ranks (torchrun) leave their group cleanly."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _export(argv: list[str], console) -> int:

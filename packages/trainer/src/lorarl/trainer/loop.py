@@ -18,6 +18,7 @@ from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.logprobs import micro_batches, pack, response_logprobs
 from lorarl.trainer.metrics import MetricsLog, plot
 from lorarl.trainer.models import Policy, load_tokenizer
+from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
 
 
 class Trainer:
@@ -31,8 +32,14 @@ class Trainer:
                                    ("cpu" if t.device == "auto" else t.device))  # fmt: skip
         if config.rollout.replicas > 1 and t.backend != "ray":
             raise TrainerError(f"rollout.replicas={config.rollout.replicas} needs trainer.backend=ray")
+        self.dp, self.device = setup_data_parallel(self.device)
+        if self.dp is not None and t.resume != "never":
+            raise TrainerError("trainer.resume with data-parallel ranks is not supported in this version")
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
+        if self.dp is not None:
+            shard(self.model, self.dp.mesh)
+            self.policy.trainable = [p for p in self.model.parameters() if p.requires_grad]  # now sharded
         self.tokenizer = load_tokenizer(self.policy.path)
         self.train_set, dropped = self._examples(config.data.train_files, "train.jsonl")
         self.val_set, val_dropped = self._examples(config.data.val_files, "val.jsonl")
@@ -100,8 +107,15 @@ class Trainer:
 
     # --- the run -------------------------------------------------------------------------------------------------
 
+    @property
+    def is_main(self) -> bool:
+        """The rank that owns the engine, the logs and the checkpoints (the only one without data parallelism)."""
+        return self.dp is None or self.dp.is_main
+
     def run(self) -> dict:
         t = self.config.trainer
+        if not self.is_main:
+            return self._follow()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(to_yaml(self.config))
         self._say(f"outputs: {self.output_dir.resolve()}")
@@ -134,10 +148,22 @@ class Trainer:
         summary.update({"output_dir": str(self.output_dir), "plots": [str(p) for p in plots]})
         return summary
 
+    def _follow(self) -> dict:
+        """A data-parallel rank other than 0: the same steps, its share of the training, the collectives."""
+        t = self.config.trainer
+        self._sync()
+        for step in range(self.start_step + 1, t.steps + 1):
+            self.train_step(step)
+            if (t.save_every and step % t.save_every == 0) or step == t.steps:
+                self.save(step)
+        return {}
+
     def train_step(self, step: int) -> dict:
         a = self.config.algorithm
         started = time.perf_counter()
-        samples, metrics = self._collect(step)
+        samples, metrics = self._collect(step) if self.is_main else (None, None)
+        if self.dp is not None:
+            samples, metrics = self.dp.broadcast((samples, metrics))
         rollout_s = time.perf_counter() - started
 
         train_started = time.perf_counter()
@@ -168,7 +194,7 @@ class Trainer:
             "timing/train_s": train_s,
             "timing/sync_s": sync_s,
             "timing/step_s": time.perf_counter() - started,
-            "sync/bytes": stats.bytes,
+            "sync/bytes": stats.bytes if stats is not None else 0,
         }
 
     def _collect(self, step: int) -> tuple[list["Sample"], dict]:
@@ -219,9 +245,10 @@ class Trainer:
 
     def _update(self, step: int, batch: "Batch") -> dict:
         """PPO epochs x mini-batches x micro-batches (gradient accumulation bounded by tokens)."""
-        a, actor = self.config.algorithm, self.config.actor
+        a = self.config.algorithm
         temperature = self.config.rollout.temperature
         sums: dict[str, float] = {}
+        grad_norm = 0.0
         order = torch.randperm(
             len(batch.prompts), generator=torch.Generator().manual_seed(_step_seed(self.config.trainer.seed, step))
         )
@@ -235,14 +262,14 @@ class Trainer:
                     "total_sequences": float(len(minibatch)),
                     "norm_len": self.config.rollout.max_tokens,  # Dr. GRPO's constant length
                 }
-                for micro in micro_batches([batch.sample_lengths[i] for i in minibatch], actor.micro_batch_tokens):
-                    rows = [minibatch[i] for i in micro]
+                for micro in self._micro_batches(batch, minibatch):
+                    rows = micro or minibatch[:1]  # None: this rank has no rows left; run one with zero weight
                     packed = pack([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
                                   self.device)  # fmt: skip
                     logp, entropy = response_logprobs(self.model, packed, temperature=temperature, entropy=True)
                     m = batch.loss_mask[rows].to(self.device)
                     old_logp = batch.old[rows].to(self.device) if batch.old is not None else logp.detach()
-                    if epoch == 0:
+                    if epoch == 0 and micro:
                         seen_old[rows] = old_logp.cpu()
                     is_weights = None
                     if a.rollout_correction != "none":
@@ -271,14 +298,20 @@ class Trainer:
                     entropy_value = algorithms.aggregate(entropy, m, a.loss_agg_mode, **totals)
                     if a.entropy_coef:
                         loss = loss - a.entropy_coef * entropy_value
-                    loss.backward()
+                    if micro is None:
+                        (loss * 0.0).backward()
+                        continue
+                    (loss * self.dp.world if self.dp is not None else loss).backward()  # FSDP averages: sum instead
                     info.update({"loss": float(loss.detach()) / share if share else 0.0,
                                  "entropy": float((entropy.detach() * m).sum() / m.sum().clamp(min=1))})  # fmt: skip
                     for key, value in info.items():
                         sums[key] = sums.get(key, 0.0) + value * share
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(self._optimizer_step())
+                grad_norm += float(self._optimizer_step())
         steps = a.ppo_epochs * a.mini_batches
+        if self.dp is not None:  # each rank summed its share of every mini-batch
+            sums, seen_old = self.dp.sum_metrics(sums), self.dp.sum(seen_old)
         metrics = {key: value / steps for key, value in sums.items()}
+        metrics["grad_norm"] = grad_norm / steps
         metrics.update(algorithms.rollout_mismatch(seen_old, batch.rollout_logp, batch.response_mask))
         if a.rollout_correction != "none":
             weights = algorithms.rollout_is_weights(seen_old, batch.rollout_logp, batch.loss_mask,
@@ -291,22 +324,39 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable, clip if clip > 0 else math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded: the norm over all ranks
+
+    def _micro_batches(self, batch: "Batch", indices: list[int]) -> list[list[int] | None]:
+        """This rank's micro-batches over its share of `indices` (token-bounded); with data parallelism padded with
+        None to the count of the rank that has the most, so that every rank runs the same number of forwards."""
+        limit = self.config.actor.micro_batch_tokens
+
+        def split(rows: list[int]) -> list[list[int]]:
+            return [[rows[i] for i in m] for m in micro_batches([batch.sample_lengths[r] for r in rows], limit)]
+
+        if self.dp is None:
+            return split(indices)
+        mine = split(self.dp.rows(indices))
+        most = max(len(split(self.dp.rows(indices, rank))) for rank in range(self.dp.world))
+        return mine + [None] * (most - len(mine))
 
     def _logprobs_all(self, batch: "Batch", reference: bool = False) -> torch.Tensor | None:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
         temperature = self.config.rollout.temperature
         if reference and not self.policy.is_lora and self.policy.frozen_reference is None:
             return None
-        parts = []
+        values = torch.zeros(len(batch.prompts), batch.width)
         context = self.policy.reference() if reference else _nothing(self.model)
         with context as model:
             model.eval()
-            for micro in micro_batches(batch.sample_lengths, self.config.actor.micro_batch_tokens):
-                packed = pack([batch.prompts[i] for i in micro], [batch.responses[i] for i in micro], batch.width,
+            for micro in self._micro_batches(batch, list(range(len(batch.prompts)))):
+                rows = micro or [0]  # None: a forward for the collectives only
+                packed = pack([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
                               self.device)  # fmt: skip
-                parts.append(response_logprobs(model, packed, temperature=temperature)[0].cpu())
-        return torch.cat(parts)
+                logp = response_logprobs(model, packed, temperature=temperature)[0].cpu()
+                if micro:
+                    values[rows] = logp
+        return self.dp.sum(values) if self.dp is not None else values
 
     def _check_versions(self, completions: list[Completion]) -> None:
         stale = {c.version for c in completions} - {self.version}
@@ -317,6 +367,11 @@ class Trainer:
         """Stream the merged weights (base + adapter, one layer at a time) into the engine."""
         version = self.version if version is None else version
         dtype = self.policy.dtype
+        if self.engine is None:  # a data-parallel rank other than 0: take part in each layer's gather
+            for _ in iter_merged_weights(self.model, dtype=dtype):
+                pass
+            self.version = version
+            return None
         stats = self.engine.sync_weights(iter_merged_weights(self.model, dtype=dtype), version=version,
                                          manifest=merged_weight_specs(self.model, dtype=dtype))  # fmt: skip
         self.version = version
@@ -333,11 +388,20 @@ class Trainer:
         )
         return {"val/reward": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> Path | None:
+        """A checkpoint by the main rank; with data parallelism every rank first takes part in gathering the
+        trainable weights (the optimizer state saved is then rank 0's shard: such runs cannot resume yet)."""
+        weights = None
+        if self.dp is not None:
+            trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            weights = full_state_dict({k: v for k, v in self.model.state_dict().items() if k in trainable or
+                                       not self.policy.is_lora})  # fmt: skip
+        if not self.is_main:
+            return None
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}  # fmt: skip
         return checkpoint.save(self.output_dir, step, self.model, is_lora=self.policy.is_lora, state=state,
-                               config_yaml=to_yaml(self.config))  # fmt: skip
+                               config_yaml=to_yaml(self.config), weights=weights)  # fmt: skip
 
     def _say(self, text: str, progress=None) -> None:
         """A line above the live progress bar (or on the console)."""

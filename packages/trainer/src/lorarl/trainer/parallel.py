@@ -1,0 +1,82 @@
+"""Data-parallel training across trainer ranks started by `torchrun` (one process per GPU; gloo ranks on CPU).
+
+The policy is sharded with FSDP2 (`fully_shard`: one unit per decoder layer, then the root), so the frozen base and
+the LoRA parameters are spread over the ranks. Rank 0 owns the rollout engine: it generates and scores, then
+broadcasts the samples; every rank trains on its slice of each mini-batch. Losses use whole-mini-batch denominators
+and the gradients are summed across ranks (losses scaled by N against FSDP's average), so N ranks make the update
+one rank makes on the same batch. Every forward pass is a collective under FSDP, so ranks always run the same
+number of micro-batches (a rank with nothing left runs one with zero weight).
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DataParallel:
+    rank: int
+    world: int
+    mesh: object  # torch.distributed.device_mesh.DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def rows(self, indices: list[int], rank: int | None = None) -> list[int]:
+        """This rank's share of `indices` (strided, so lengths stay balanced)."""
+        return indices[(self.rank if rank is None else rank) :: self.world]
+
+    def broadcast(self, value):
+        """Rank 0's `value`, on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        summed = tensor.clone()
+        dist.all_reduce(summed)
+        return summed
+
+    def sum_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        """Per-key sums over the ranks (every rank reports the same keys, possibly 0)."""
+        keys = sorted(self.broadcast(sorted(values)))
+        totals = self.sum(torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64))
+        return dict(zip(keys, totals.tolist(), strict=True))
+
+
+def setup_data_parallel(device: torch.device) -> tuple[DataParallel | None, torch.device]:
+    """Join the ranks `torchrun` started (WORLD_SIZE > 1): NCCL on GPU, gloo on CPU. Returns (None, device) alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None, device
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return DataParallel(dist.get_rank(), world, init_device_mesh(device.type, (world,))), device
+
+
+def shard(model: nn.Module, mesh) -> None:
+    """FSDP2 over the mesh: each decoder layer (the classes the model lists in `_no_split_modules`), then the root.
+    FSDP averages gradients over the ranks: the trainer scales its losses by the world size to sum them."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_classes = set()
+    for module in model.modules():
+        layer_classes.update(getattr(module, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def full_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gathered copies of a (possibly sharded) state dict, on the CPU; a collective: every rank calls it."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in state.items()}

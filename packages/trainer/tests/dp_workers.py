@@ -1,0 +1,39 @@
+"""Ranks of the data-parallel test: one training step of the real Trainer on a fixed batch (no engine)."""
+
+import os
+import random
+
+from trainer_fixtures import tiny_overrides
+
+from lorarl.trainer.config import load_config
+from lorarl.trainer.engine import Completion
+from lorarl.trainer.loop import Sample, Trainer
+from lorarl.trainer.parallel import full_state_dict
+from lorarl.trainer.presets import PRESETS
+
+
+def fixed_samples(groups: int = 6, n: int = 4) -> list[Sample]:
+    """Prompts and responses of varied lengths over the tiny vocabulary, rewards with ties."""
+    rng = random.Random(0)
+    samples = []
+    for g in range(groups):
+        prompt = [rng.randrange(2, 16) for _ in range(rng.randrange(2, 9))]
+        for _ in range(n):
+            response = tuple(rng.randrange(2, 16) for _ in range(rng.randrange(1, 7)))
+            completion = Completion(g, response, tuple(-1.0 for _ in response), True, 0)
+            reward = float(rng.randrange(0, 3))
+            samples.append(Sample(prompt, completion, g, reward, reward))
+    return samples
+
+
+def one_step(port: int, rank: int, world: int, setup: dict, output_dir: str, extra: dict) -> dict:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    trainer = Trainer(load_config(None, tiny_overrides(setup, output_dir, **extra), presets=PRESETS))
+    assert (trainer.dp is None) == (world == 1)
+    trainer._collect = lambda step: (fixed_samples(), {})  # the same batch whatever the world size
+    metrics = trainer.train_step(1)
+    trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    weights = {name: t.numpy() for name, t in full_state_dict(trainable).items()}
+    keys = ("loss", "kl", "entropy", "grad_norm", "clipfrac", "approx_kl")
+    return {"weights": weights, "metrics": {k: metrics[k] for k in keys}}
