@@ -13,7 +13,7 @@ from lorarl.trainer.config import load_config
 from lorarl.trainer.engine import _checksum
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
-from lorarl.trainer.ray_engine import RayHFEngines  # before Ray itself: it settles how Ray starts workers
+from lorarl.trainer.ray_engine import RayEngines  # before Ray itself: it settles how Ray starts workers
 
 pytest.importorskip("ray")
 
@@ -24,7 +24,7 @@ def test_two_replicas_receive_the_merged_weights_and_share_the_prompts(tiny_setu
     overrides = tiny_overrides(tiny_setup, tmp_path / "out", trainer__backend="ray", rollout__replicas=2)
     trainer = Trainer(load_config(None, overrides, presets=PRESETS))
     trainer.engine = trainer._start_engine()
-    assert isinstance(trainer.engine, RayHFEngines)
+    assert isinstance(trainer.engine, RayEngines)
     try:
         pids = ray.get([actor.__ray_call__.remote(lambda self: __import__("os").getpid()) for actor in
                         trainer.engine.actors])  # fmt: skip

@@ -1,7 +1,8 @@
 """Rollout engines: what generates the responses, in a process of its own, fed weights through `weight_sync`.
 
-`RolloutEngine` is the interface the trainer uses; `HFEngine` runs Hugging Face `generate` in a worker process (CPU or
-GPU) that holds its own copy of the model. Every completion says which weight version produced it, so the trainer
+`RolloutEngine` is the interface the trainer uses. `ProcessEngine` runs a worker in a process of its own that holds its
+own copy of the model: `HFWorker` (Hugging Face `generate`, CPU or GPU, weights over gloo) or `VllmWorker` (vLLM,
+GPU, weights over NCCL; `vllm_engine.py`). Every completion says which weight version produced it, so the trainer
 never trains on rollouts of stale weights.
 """
 
@@ -39,6 +40,8 @@ class RolloutEngine(Protocol):
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
     ) -> SyncStats: ...
 
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats: ...
+
     def weights_checksum(self) -> str: ...
 
     def close(self) -> None: ...
@@ -51,22 +54,32 @@ class EngineError(TrainerError):
 def hf_settings(model_path: Path | str, *, dtype: torch.dtype, device: str, eos_token_id: int, pad_token_id: int,
                 batch_size: int, timeout: float = 600.0) -> dict:  # fmt: skip
     """What an HF rollout worker needs to build its model and generate (plain data: it crosses process bounds)."""
-    return {"model_path": str(model_path), "dtype": dtype, "device": device, "eos": eos_token_id, "pad": pad_token_id,
-            "batch_size": batch_size, "timeout": timeout}  # fmt: skip
+    return {"kind": "hf", "model_path": str(model_path), "dtype": dtype, "device": device, "eos": eos_token_id,
+            "pad": pad_token_id, "batch_size": batch_size, "timeout": timeout, "sync_backend": "gloo",
+            "sync_ranks": 1}  # fmt: skip
 
 
-class HFEngine:
-    """Hugging Face `generate` in a worker process, weights received over a gloo sync group."""
+def sync_sender(group, settings: dict, bucket_bytes: int) -> BucketSender:
+    """The trainer's end of a sync group: NCCL sends from the GPU, gloo from the CPU."""
+    nccl = settings["sync_backend"] == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return BucketSender(group, bucket_bytes=bucket_bytes, device=device, timeout=settings["timeout"])
+
+
+class ProcessEngine:
+    """A rollout worker (`settings["kind"]`: hf or vllm) in a process of its own, fed weights over a sync group."""
 
     def __init__(self, settings: dict, *, bucket_bytes: int):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         port = free_port()
-        self.process = ctx.Process(target=_serve, args=(child, settings, port), daemon=True, name="lorarl-hf-engine")
+        name = f"lorarl-{settings['kind']}-engine"
+        self.process = ctx.Process(target=_serve, args=(child, settings, port), daemon=True, name=name)
         self.process.start()
         self.timeout = timeout = settings["timeout"]
-        group = create_sync_group("127.0.0.1", port, 2, 0, timeout=timeout)
-        self.sender = BucketSender(group, bucket_bytes=bucket_bytes, timeout=timeout)
+        world = 1 + settings["sync_ranks"]
+        group = create_sync_group("127.0.0.1", port, world, 0, backend=settings["sync_backend"], timeout=timeout)
+        self.sender = sync_sender(group, settings, bucket_bytes)
         self.version = self._reply("start")
 
     def generate(
@@ -83,6 +96,14 @@ class HFEngine:
         self.version = self._reply("receive")
         if self.version != version:
             raise EngineError(f"the engine reports weights version {self.version} after receiving {version}")
+        return stats
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        self._conn.send(("receive_adapter", ()))
+        stats = self.sender.send_adapter(tensors, config, version=version)
+        self.version = self._reply("receive_adapter")
+        if self.version != version:
+            raise EngineError(f"the engine reports adapter version {self.version} after receiving {version}")
         return stats
 
     def weights_checksum(self) -> str:
@@ -115,8 +136,17 @@ class HFEngine:
 # --- the worker ----------------------------------------------------------------------------------------------------
 
 
+def worker_class(kind: str) -> type:
+    """The worker of an engine kind (`rollout.engine`); vLLM is imported only when asked for."""
+    if kind == "vllm":
+        from lorarl.trainer.vllm_engine import VllmWorker
+
+        return VllmWorker
+    return HFWorker
+
+
 class HFWorker:
-    """What a rollout engine process (or Ray actor) holds: the model, and its end of the weight-sync group."""
+    """What an HF rollout engine process (or Ray actor) holds: the model, and its end of the weight-sync group."""
 
     def __init__(self, settings: dict):
         from transformers import AutoModelForCausalLM
@@ -140,18 +170,22 @@ class HFWorker:
         self.version = self.receiver.load_into(self.model)
         return self.version
 
+    def receive_adapter(self) -> int:
+        raise NotImplementedError("the hf engine takes merged weights (rollout.sync=merged)")
+
     def checksum(self) -> str:
         return _checksum(self.model)
 
 
 def _serve(conn, settings: dict, port: int) -> None:
     try:
-        worker = HFWorker(settings)
-        conn.send(("ok", worker.join("127.0.0.1", port, 2, 1)))
+        worker = worker_class(settings["kind"])(settings)
+        conn.send(("ok", worker.join("127.0.0.1", port, 1 + settings["sync_ranks"], 1)))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
-    commands = {"generate": worker.generate, "receive": worker.receive, "checksum": worker.checksum}
+    commands = {"generate": worker.generate, "receive": worker.receive, "receive_adapter": worker.receive_adapter,
+                "checksum": worker.checksum}  # fmt: skip
     while True:
         command, args = conn.recv()
         if command == "close":

@@ -13,7 +13,7 @@ import torch
 from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
 from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
-from lorarl.trainer.engine import Completion, EngineError, HFEngine, RolloutEngine, hf_settings
+from lorarl.trainer.engine import Completion, EngineError, ProcessEngine, RolloutEngine, hf_settings
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.logprobs import micro_batches, pack, response_logprobs
 from lorarl.trainer.metrics import MetricsLog, plot
@@ -92,18 +92,35 @@ class Trainer:
         return state["step"]
 
     def _start_engine(self) -> RolloutEngine:
-        r = self.config.rollout
-        if r.engine != "hf":
-            raise TrainerError(f"rollout.engine={r.engine!r} is not available in this version (use hf)")
-        settings = hf_settings(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
-                               eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                               batch_size=r.batch_size)  # fmt: skip
-        if self.config.trainer.backend == "ray":
-            from lorarl.trainer.ray_engine import RayHFEngines
+        r, t = self.config.rollout, self.config.trainer
+        if r.engine == "vllm":
+            from lorarl.trainer.vllm_engine import vllm_settings
 
-            return RayHFEngines(settings, replicas=r.replicas, bucket_bytes=r.bucket_mb << 20,
-                                address=self.config.trainer.ray_address)  # fmt: skip
-        return HFEngine(settings, bucket_bytes=r.bucket_mb << 20)
+            if t.backend == "local" and r.devices is None:
+                raise TrainerError(
+                    "rollout.engine=vllm with trainer.backend=local needs rollout.devices (GPUs the trainer does "
+                    "not use, e.g. '1'); colocated engines are not available yet"
+                )
+            if r.sync == "adapter" and not self.policy.is_lora:
+                raise TrainerError("rollout.sync=adapter needs a LoRA adapter (model.lora.rank > 0)")
+            adapter_rank = self.model.peft_config["default"].r if r.sync == "adapter" else None
+            settings = vllm_settings(self.policy.path, dtype=self.policy.dtype, seed=t.seed, devices=r.devices,
+                                     tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
+                                     gpu_memory_utilization=r.gpu_memory_utilization,
+                                     adapter_rank=adapter_rank)  # fmt: skip
+        else:
+            if r.sync == "adapter":
+                raise TrainerError(
+                    "rollout.sync=adapter needs rollout.engine=vllm (the hf engine takes merged weights)"
+                )
+            settings = hf_settings(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
+                                   eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                                   batch_size=r.batch_size)  # fmt: skip
+        if t.backend == "ray":
+            from lorarl.trainer.ray_engine import RayEngines
+
+            return RayEngines(settings, replicas=r.replicas, bucket_bytes=r.bucket_mb << 20, address=t.ray_address)
+        return ProcessEngine(settings, bucket_bytes=r.bucket_mb << 20)
 
     # --- the run -------------------------------------------------------------------------------------------------
 
@@ -364,16 +381,24 @@ class Trainer:
             raise EngineError(f"the engine generated with weights version {sorted(stale)}, expected {self.version}")
 
     def _sync(self, version: int | None = None):
-        """Stream the merged weights (base + adapter, one layer at a time) into the engine."""
+        """Stream the merged weights (base + adapter, one layer at a time) into the engine, or only the adapter
+        (`rollout.sync=adapter`). With data parallelism every rank takes part in the gathers; rank 0 sends."""
         version = self.version if version is None else version
-        dtype = self.policy.dtype
-        if self.engine is None:  # a data-parallel rank other than 0: take part in each layer's gather
+        dtype, stats = self.policy.dtype, None
+        if self.config.rollout.sync == "adapter":
+            from peft import get_peft_model_state_dict
+
+            tensors = get_peft_model_state_dict(self.model)
+            tensors = full_state_dict(tensors) if self.dp is not None else {k: v.detach() for k, v in tensors.items()}
+            if self.engine is not None:
+                config = self.model.peft_config["default"].to_dict()
+                stats = self.engine.sync_adapter(tensors, config, version=version)
+        elif self.engine is not None:
+            stats = self.engine.sync_weights(iter_merged_weights(self.model, dtype=dtype), version=version,
+                                             manifest=merged_weight_specs(self.model, dtype=dtype))  # fmt: skip
+        else:  # a data-parallel rank other than 0: take part in each layer's gather
             for _ in iter_merged_weights(self.model, dtype=dtype):
                 pass
-            self.version = version
-            return None
-        stats = self.engine.sync_weights(iter_merged_weights(self.model, dtype=dtype), version=version,
-                                         manifest=merged_weight_specs(self.model, dtype=dtype))  # fmt: skip
         self.version = version
         return stats
 

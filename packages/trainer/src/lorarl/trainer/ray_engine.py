@@ -1,6 +1,7 @@
-"""Rollout engines as Ray actors (`trainer.backend=ray`): `rollout.replicas` HF workers in a placement group, the
-prompts spread across them, the weights broadcast to all of them at once over one sync group (the trainer is rank 0,
-replica i is rank i + 1). Ray places the actors, on this machine or across a cluster (`trainer.ray_address`)."""
+"""Rollout engines as Ray actors (`trainer.backend=ray`): `rollout.replicas` workers (HF or vLLM) in a placement
+group, the prompts spread across them, the weights broadcast to all of them at once over one sync group (the trainer
+is rank 0, then each replica's ranks: one per HF worker, one per tensor-parallel vLLM worker). Ray places the actors,
+on this machine or across a cluster (`trainer.ray_address`)."""
 
 import dataclasses
 import os
@@ -8,16 +9,16 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engine import Completion, EngineError, HFWorker
-from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
+from lorarl.trainer.engine import Completion, EngineError, sync_sender, worker_class
+from lorarl.weight_sync import SyncStats, TensorSpec, create_sync_group, free_port
 
 # Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
 # workers run this interpreter instead. Read when Ray is imported (lazily, below); =1 brings the hook back.
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
-class RayHFEngines:
-    """The `RolloutEngine` interface over several HF worker actors."""
+class RayEngines:
+    """The `RolloutEngine` interface over several worker actors."""
 
     def __init__(self, settings: dict, *, replicas: int, bucket_bytes: int, address: str | None = None):
         import ray
@@ -29,19 +30,21 @@ class RayHFEngines:
         if self.started_ray:  # a local Ray: logical CPUs enough for every replica even on a small machine
             ray.init(address=address, num_cpus=None if address else max(os.cpu_count() or 1, replicas + 1),
                      include_dashboard=False)  # fmt: skip
-        gpu = settings["device"].startswith("cuda")
-        self.placement = placement_group([{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}] * replicas, strategy="PACK")
+        gpus = settings["sync_ranks"] if settings["device"].startswith("cuda") else 0  # a vLLM replica: TP GPUs
+        self.placement = placement_group([{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}] * replicas, strategy="PACK")
         self._get(self.placement.ready(), f"placing {replicas} rollout replicas (not enough free resources?)")
-        worker = ray.remote(HFWorker)
+        worker = ray.remote(worker_class(settings["kind"]))
         self.actors = [
-            worker.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            worker.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement, placement_group_bundle_index=i)).remote(settings)
             for i in range(replicas)
         ]  # fmt: skip
+        ranks = settings["sync_ranks"]
+        world = 1 + replicas * ranks
         host, port = ray.util.get_node_ip_address(), free_port()
-        joined = [actor.join.remote(host, port, replicas + 1, i + 1) for i, actor in enumerate(self.actors)]
-        group = create_sync_group(host, port, replicas + 1, 0, timeout=self.timeout)
-        self.sender = BucketSender(group, bucket_bytes=bucket_bytes, timeout=self.timeout)
+        joined = [actor.join.remote(host, port, world, 1 + i * ranks) for i, actor in enumerate(self.actors)]
+        group = create_sync_group(host, port, world, 0, backend=settings["sync_backend"], timeout=self.timeout)
+        self.sender = sync_sender(group, settings, bucket_bytes)
         self.version = self._same(self._get(joined, "start"), "weights version")
 
     def generate(
@@ -66,6 +69,12 @@ class RayHFEngines:
         self.version = self._same(self._get(received, "receive"), "weights version")
         if self.version != version:
             raise EngineError(f"the engines report weights version {self.version} after receiving {version}")
+        return stats
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        received = [actor.receive_adapter.remote() for actor in self.actors]
+        stats = self.sender.send_adapter(tensors, config, version=version)
+        self.version = self._same(self._get(received, "receive_adapter"), "adapter version")
         return stats
 
     def weights_checksum(self) -> str:
