@@ -22,6 +22,17 @@ def test_extension_loads_merged_weights_into_vllms_qwen2_fusing_qkv_and_gate_up(
         assert np.array_equal(state[name], array), name
 
 
+def test_extension_loads_weights_handed_over_in_process_for_a_colocated_engine():
+    out = run_group([v.colocated], join=False, deadline=240)
+    assert out[0][0] == "ok", out[0][1]
+    (tensors, nbytes), expected, state = out[0][1]
+    assert tensors > 0
+    assert nbytes > 0
+    assert set(state) == set(expected)
+    for name, array in expected.items():
+        assert np.array_equal(state[name], array), name
+
+
 def test_extension_writes_a_received_adapter_that_peft_loads(tmp_path):
     from peft import PeftModel
     from tiny_models import tiny_qwen2

@@ -86,6 +86,15 @@ def engine(port: int, rank: int, dist_port: int):
     return version, plain(dict(worker.model_runner.model.named_parameters()))
 
 
+def colocated(port: int, rank: int):
+    """The colocated path: merged weights handed to the extension in its own process, no transfer."""
+    model = tiny_lora_qwen2()
+    worker = vllm_worker(port)
+    loaded = worker.lorarl_load_weights(iter_merged_weights(model))
+    expected = plain(fused_reference(model.merge_and_unload().state_dict()))
+    return loaded, expected, plain(dict(worker.model_runner.model.named_parameters()))
+
+
 def adapter_trainer(port: int, rank: int):
     from peft import get_peft_model_state_dict
 

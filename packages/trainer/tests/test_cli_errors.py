@@ -17,7 +17,10 @@ from lorarl.trainer.cli import main
         ({"model__path": "/nonexistent/model"}, "is not a Hugging Face model directory"),
         ({"model__lora__rnak": 4}, "did you mean 'model.lora.rank'"),
         ({"trainer__steps": "many"}, "trainer.steps"),
-        ({"rollout__engine": "vllm"}, "needs rollout.devices (GPUs the trainer does not use"),
+        (
+            {"rollout__engine": "vllm", "rollout__tensor_parallel_size": 2},
+            "colocated vllm engine has tensor_parallel_size 1",
+        ),
         ({"rollout__sync": "adapter"}, "rollout.sync=adapter needs rollout.engine=vllm"),
         (
             {"rollout__engine": "vllm", "rollout__devices": "1", "rollout__sync": "adapter", "model__lora__rank": 0},

@@ -74,7 +74,7 @@ class RolloutSection:
     tensor_parallel_size: int = option(1, "GPUs per vllm engine (its workers shard the received weights)", minimum=1)
     gpu_memory_utilization: float = option(0.5, "share of each engine GPU vllm may use", minimum=0.05, maximum=1.0)
     max_model_len: int | None = option(None, "vllm context length (None: the model's)")
-    devices: str | None = option(None, "CUDA_VISIBLE_DEVICES of a local vllm engine (GPUs the trainer does not use)")
+    devices: str | None = option(None, "GPUs of a local vllm engine (CUDA_VISIBLE_DEVICES); None = colocated")
     replicas: int = option(1, "rollout engine replicas, prompts spread across them (> 1 needs trainer.backend=ray)",
                            minimum=1)  # fmt: skip
 

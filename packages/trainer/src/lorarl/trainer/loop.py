@@ -96,11 +96,6 @@ class Trainer:
         if r.engine == "vllm":
             from lorarl.trainer.vllm_engine import vllm_settings
 
-            if t.backend == "local" and r.devices is None:
-                raise TrainerError(
-                    "rollout.engine=vllm with trainer.backend=local needs rollout.devices (GPUs the trainer does "
-                    "not use, e.g. '1'); colocated engines are not available yet"
-                )
             if r.sync == "adapter" and not self.policy.is_lora:
                 raise TrainerError("rollout.sync=adapter needs a LoRA adapter (model.lora.rank > 0)")
             adapter_rank = self.model.peft_config["default"].r if r.sync == "adapter" else None
@@ -116,6 +111,10 @@ class Trainer:
             settings = hf_settings(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
                                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                                    batch_size=r.batch_size)  # fmt: skip
+        if r.engine == "vllm" and t.backend == "local" and r.devices is None:
+            from lorarl.trainer.vllm_engine import ColocatedVllmEngine
+
+            return ColocatedVllmEngine(settings)
         if t.backend == "ray":
             from lorarl.trainer.ray_engine import RayEngines
 
@@ -182,6 +181,8 @@ class Trainer:
         if self.dp is not None:
             samples, metrics = self.dp.broadcast((samples, metrics))
         rollout_s = time.perf_counter() - started
+        if hasattr(self.engine, "sleep"):  # a colocated engine gives the GPU back while the trainer trains
+            self.engine.sleep()
 
         train_started = time.perf_counter()
         batch = _batch(samples, mask_truncated=a.mask_truncated)

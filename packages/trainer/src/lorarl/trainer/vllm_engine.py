@@ -8,14 +8,23 @@ compares with the trainer's. vLLM is imported only inside the worker.
 
 `rollout.sync=merged` streams merged weights into the engine; `rollout.sync=adapter` sends only the LoRA tensors,
 which the engine serves unmerged with `enable_lora` (its base weights are the ones it loaded from `model.path`).
+
+Disaggregated engines (`VllmWorker`, on GPUs of their own, in a process or a Ray actor) receive over NCCL. A colocated
+engine (`ColocatedVllmEngine`, on the trainer's GPU, in the trainer's process) receives nothing over a wire: the
+merged tensors go from `iter_merged_weights` straight into vLLM's `load_weights`; it sleeps while the trainer trains.
 """
 
-from collections.abc import Sequence
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from lorarl.trainer.engine import Completion
+from lorarl.trainer.engine import Completion, EngineError
+from lorarl.weight_sync import SyncStats, TensorSpec
+from lorarl.weight_sync.vllm import save_adapter
 
 EXTENSION = "lorarl.weight_sync.vllm.WeightSyncWorkerExtension"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -77,8 +86,6 @@ class VllmWorker:
     """A vLLM engine as a rollout worker: the same methods as `HFWorker`, driven in its own process or Ray actor."""
 
     def __init__(self, settings: dict):
-        import os
-
         if settings["devices"] is not None:  # before CUDA starts in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = settings["devices"]
         from vllm import LLM
@@ -94,14 +101,7 @@ class VllmWorker:
         return self.version
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(**sampling_args(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                                seed=seed))  # fmt: skip
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
-        return to_completions(outputs, self.version)
+        return _generate(self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed)
 
     def receive(self) -> int:
         self.version = _same(self.llm.collective_rpc("lorarl_receive_weights"))
@@ -109,8 +109,6 @@ class VllmWorker:
         return self.version
 
     def receive_adapter(self) -> int:
-        import tempfile
-
         from vllm.lora.request import LoRARequest
 
         directory = self.settings.setdefault("adapter_dir", tempfile.mkdtemp(prefix="lorarl-adapter-"))
@@ -121,6 +119,85 @@ class VllmWorker:
 
     def checksum(self) -> str:
         raise NotImplementedError("vLLM holds its weights fused and sharded: no checksum comparable to the trainer's")
+
+
+class ColocatedVllmEngine:
+    """vLLM in the trainer's process, on the trainer's GPU (`rollout.devices` unset; tensor_parallel_size 1).
+
+    The weights go from `iter_merged_weights` to `load_weights` on the same device, one layer at a time, with no copy
+    in between (the adapter, with `rollout.sync=adapter`, is written where the engine loads it from). The engine
+    sleeps while the trainer trains (`sleep()`, called by the trainer after the rollouts): level 2 — weights and KV
+    cache freed — with merged sync, since the next sync replaces every weight; level 1 — weights to CPU — with adapter
+    sync, whose base must survive. `sync_weights` wakes it.
+    """
+
+    def __init__(self, settings: dict):
+        if settings["tensor_parallel_size"] != 1:
+            raise EngineError("a colocated vllm engine has tensor_parallel_size 1 (set rollout.devices for more)")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        from vllm import LLM
+
+        self.llm = LLM(**engine_args(settings), enable_sleep_mode=True)
+        self.adapter_mode = settings["adapter_rank"] is not None
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-"))
+        self.version, self.asleep, self.lora_request = 0, False, None
+
+    def generate(self, prompts, *, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+        if self.asleep:
+            if not self.adapter_mode:
+                raise EngineError("the colocated engine freed its weights to sleep: sync weights before generating")
+            self.llm.wake_up()
+            self.asleep = False
+        return _generate(self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+
+    def sleep(self) -> None:
+        """Free the GPU for training (see the class docstring for what each mode keeps)."""
+        if not self.asleep:
+            self.llm.sleep(level=1 if self.adapter_mode else 2)
+            self.asleep = True
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
+    ) -> SyncStats:
+        started = time.perf_counter()
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        (tensors, nbytes), *_ = self.llm.collective_rpc("lorarl_load_weights", args=(named_tensors,))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])  # a fresh cache
+            self.asleep = False
+        else:
+            self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+        self.version = version
+        return SyncStats(version, tensors, nbytes, 0, time.perf_counter() - started)
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        from vllm.lora.request import LoRARequest
+
+        started = time.perf_counter()
+        directory = self.adapter_dir / f"v{version}"
+        save_adapter(tensors, config, directory)
+        self.lora_request = LoRARequest(f"v{version}", version + 1, str(directory))
+        self.version = version
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return SyncStats(version, len(tensors), nbytes, 0, time.perf_counter() - started)
+
+    def weights_checksum(self) -> str:
+        raise NotImplementedError("vLLM holds its weights fused: no checksum comparable to the trainer's")
+
+    def close(self) -> None:
+        del self.llm
+
+
+def _generate(llm, lora_request, version, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(**sampling_args(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                            seed=seed))  # fmt: skip
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                           lora_request=lora_request, use_tqdm=False)  # fmt: skip
+    return to_completions(outputs, version)
 
 
 def _same(versions: list[int]) -> int:

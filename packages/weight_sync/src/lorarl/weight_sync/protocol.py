@@ -17,6 +17,7 @@ A bucket carries at most `bucket_bytes` in all (payload plus direct entries).
 The transfer ends with an all-reduce (MAX) of every rank's failure flag, so the sender learns whether all applied it.
 """
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -219,3 +220,16 @@ def _spec(raw: object) -> TensorSpec:
     if dtype not in DTYPES:
         raise ProtocolError(f"manifest entry {name!r} has unknown dtype {dtype!r}")
     return TensorSpec(name, dtype, tuple(shape))
+
+
+def jsonable(value):
+    """A peft config dict as plain JSON data: sets as sorted lists, enums as their values."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        return sorted(jsonable(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    return value

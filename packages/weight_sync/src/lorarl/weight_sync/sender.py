@@ -6,7 +6,6 @@ not what is allocated (a payload is exactly as large as what it packs). Two buck
 packed (and the input iterator — e.g. `iter_merged_weights`, which computes merges — advanced) while bucket k is sent.
 """
 
-import enum
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from lorarl.weight_sync.protocol import (
     TransferHeader,
     align,
     checksum,
+    jsonable,
 )
 from lorarl.weight_sync.transport import Channel
 
@@ -99,7 +99,7 @@ class BucketSender:
         written as JSON lists and values), for engines that serve it unmerged."""
         manifest = [TensorSpec.of(name, tensor) for name, tensor in tensors.items()]
         header = TransferHeader(version, "adapter", self.bucket_bytes, self.verify, manifest,
-                                adapter_config=_jsonable(config))  # fmt: skip
+                                adapter_config=jsonable(config))  # fmt: skip
         return self._transfer(header, tensors.items(), trusted_manifest=True)
 
     def _transfer(
@@ -227,16 +227,3 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 view (a contiguous copy first if it is not contiguous)."""
     flat = tensor.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
-
-
-def _jsonable(value):
-    """A peft config dict as plain JSON data: sets as sorted lists, enums as their values."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, set | frozenset):
-        return sorted(_jsonable(v) for v in value)
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, enum.Enum):
-        return _jsonable(value.value)
-    return value

@@ -5,8 +5,9 @@
     sync.send(iter_merged_weights(model), version=step, manifest=merged_weight_specs(model))
 
 Every worker (each tensor-parallel rank of every engine) receives the full tensors and hands them to its model's
-`load_weights`, which shards them; then vLLM's post-load processing runs (repacking, quantization). Importing this
-module does not import vLLM; the extension's methods do, inside the worker.
+`load_weights`, which shards them; then vLLM's post-load processing runs (repacking, quantization). A colocated
+engine (in the trainer's process) is handed the tensors directly (`lorarl_load_weights`). Importing this module does
+not import vLLM; the extension's methods do, inside the worker.
 """
 
 import concurrent.futures
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lorarl.weight_sync.group import create_sync_group, free_port
-from lorarl.weight_sync.protocol import TensorSpec, TransferError
+from lorarl.weight_sync.protocol import TensorSpec, TransferError, jsonable
 from lorarl.weight_sync.receiver import BucketReceiver
 from lorarl.weight_sync.sender import DEFAULT_BUCKET_BYTES, BucketSender, SyncStats
 
@@ -47,6 +48,22 @@ class WeightSyncWorkerExtension:
         finish_loading(model, self.model_runner.model_config, self.device)
         return version
 
+    def lorarl_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Load weights handed over inside this process — a colocated engine, whose worker shares the trainer's
+        process and GPU, needs no transfer — then vLLM's post-load processing. Returns (tensors, bytes) loaded."""
+        counts = [0, 0]
+
+        def counted():
+            for name, tensor in named_tensors:
+                counts[0] += 1
+                counts[1] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        model = self.model_runner.model
+        model.load_weights(counted())
+        finish_loading(model, self.model_runner.model_config, self.device)
+        return counts[0], counts[1]
+
     def lorarl_receive_adapter(self, directory: str) -> tuple[int, str]:
         """Receive a LoRA adapter and write it as a peft adapter directory (for a `LoRARequest`); every worker takes
         part in the transfer, the engine's first worker writes the files. Returns `(version, directory)`."""
@@ -66,12 +83,12 @@ def finish_loading(model: torch.nn.Module, model_config: object, device: torch.d
 
 
 def save_adapter(tensors: Mapping[str, torch.Tensor], config: dict, directory: Path) -> None:
-    """A peft adapter directory: `adapter_config.json` and `adapter_model.safetensors`."""
+    """A peft adapter directory: `adapter_config.json` (sets and enums as JSON) and `adapter_model.safetensors`."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     save_file({name: t.contiguous().cpu() for name, t in tensors.items()}, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "adapter_config.json").write_text(json.dumps(jsonable(config), indent=2))
 
 
 class VllmWeightSync:
