@@ -161,6 +161,16 @@ def test_already_merged_adapters_are_not_merged_twice(make_qwen2):
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6)
 
 
+def test_inside_disable_adapter_the_base_weights_stream(make_qwen2):
+    model = lora(make_qwen2(), r=4, target_modules="all-linear")
+    with model.disable_adapter():  # what the model computes now: its base weights alone
+        ours = dict(iter_merged_weights(model))
+    base = copy.deepcopy(model).unload().state_dict()  # peft's own: the LoRA layers out, nothing merged
+    assert list(ours) == list(base)
+    assert all(torch.equal(ours[k], base[k]) for k in base)
+    assert not all(torch.equal(a, b) for a, b in zip(ours.values(), reference_state(model).values(), strict=True))
+
+
 def test_dora_and_other_tuners_are_refused_naming_the_layer(make_qwen2):
     dora = lora(make_qwen2(), r=4, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.q_proj.*DoRA"):

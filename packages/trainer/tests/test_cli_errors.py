@@ -21,7 +21,7 @@ from lorarl.trainer.cli import main
             {"rollout__engine": "vllm", "rollout__tensor_parallel_size": 2},
             "colocated vllm engine has tensor_parallel_size 1",
         ),
-        ({"rollout__sync": "adapter"}, "rollout.sync=adapter needs rollout.engine=vllm"),
+        ({"rollout__sync": "auto", "model__lora__rank": 0}, "rollout.sync=auto needs a LoRA adapter"),
         (
             {"rollout__engine": "vllm", "rollout__devices": "1", "rollout__sync": "adapter", "model__lora__rank": 0},
             "rollout.sync=adapter needs a LoRA adapter",

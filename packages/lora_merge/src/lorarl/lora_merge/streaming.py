@@ -30,8 +30,9 @@ def iter_merged_weights(
     """Stream `(name, tensor)` of the model with its LoRA adapter merged, in `state_dict()` order.
 
     `model`: a `peft.PeftModel`, a peft `LoraModel`, or a module with LoRA layers injected (a plain model without
-    any also works: its state dict is streamed as is). `adapter_name`: merge this adapter instead of the active
-    one(s). `dtype`: cast floating tensors to it (merged weights are rounded once, straight to `dtype`).
+    any also works: its state dict is streamed as is; inside peft's `disable_adapter()` the base weights are).
+    `adapter_name`: merge this adapter instead of the active one(s). `dtype`: cast floating tensors to it (merged
+    weights are rounded once, straight to `dtype`).
     Raises `NotImplementedError` naming the layer for DoRA and other LoRA variants, and for non-LoRA tuner layers.
     """
     merger = _Merger(model, adapter_name, dtype, backend)
@@ -108,7 +109,10 @@ class _Merger:
         return total.to(self.dtype or bias.dtype)
 
     def adapters(self, name: str, layer: nn.Module) -> list[str]:
-        """The adapters to merge into this layer: as `merge_and_unload`, skipping those already merged in place."""
+        """The adapters to merge into this layer: as `merge_and_unload`, skipping those already merged in place;
+        none inside peft's `disable_adapter()` context (the model then computes with its base weights alone)."""
+        if layer.disable_adapters:
+            return []
         wanted = [self.adapter_name] if self.adapter_name is not None else list(layer.active_adapters)
         present = layer.lora_embedding_A if _is_embedding(layer) else layer.lora_A
         chosen = [a for a in wanted if a in present and a not in layer.merged_adapters]

@@ -68,7 +68,8 @@ class RolloutSection:
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
     max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
-    sync: str = option("merged", "what the engine receives after each step", ("merged", "adapter"))
+    sync: str = option("merged", "merged weights, the adapter alone (served unmerged), or auto (measure both once)",
+                       ("merged", "adapter", "auto"))  # fmt: skip
     bucket_mb: int = option(256, "weight-sync bucket size (MB)")
     batch_size: int = option(256, "sequences the hf engine generates at once")
     tensor_parallel_size: int = option(1, "GPUs per vllm engine (its workers shard the received weights)", minimum=1)

@@ -8,6 +8,7 @@ never trains on rollouts of stale weights.
 
 import hashlib
 import multiprocessing as mp
+import tempfile
 import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 
 from lorarl.trainer.errors import TrainerError
 from lorarl.weight_sync import BucketReceiver, BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
+from lorarl.weight_sync.vllm import save_adapter
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class HFWorker:
         self.model = model.to(settings["device"]).eval()
         self.version = 0  # the weights from disk
         self.receiver: BucketReceiver | None = None
+        self.adapter = None  # a peft model around self.model while an adapter is served unmerged
 
     def join(self, host: str, port: int, world_size: int, rank: int) -> int:
         timeout = self.settings["timeout"]
@@ -164,14 +167,29 @@ class HFWorker:
         return self.version
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
-        return _generate(self.model, self.settings, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+        model = self.adapter if self.adapter is not None else self.model
+        return _generate(model, self.settings, self.version, prompts, n, temperature, top_p, max_tokens, seed)
 
     def receive(self) -> int:
+        """Merged weights: into the plain model (an adapter served so far is dropped first)."""
+        if self.adapter is not None:
+            self.model, self.adapter = self.adapter.unload(), None  # the LoRA layers out, the base as it was
         self.version = self.receiver.load_into(self.model)
         return self.version
 
     def receive_adapter(self) -> int:
-        raise NotImplementedError("the hf engine takes merged weights (rollout.sync=merged)")
+        """A LoRA adapter, served unmerged by peft on the weights this worker holds (`rollout.sync=adapter`)."""
+        from peft import PeftModel, set_peft_model_state_dict
+
+        tensors, config, version = self.receiver.receive_adapter()
+        if self.adapter is None:
+            with tempfile.TemporaryDirectory() as directory:
+                save_adapter(tensors, config, Path(directory))
+                self.adapter = PeftModel.from_pretrained(self.model, directory).eval()
+        else:
+            set_peft_model_state_dict(self.adapter, tensors)
+        self.version = version
+        return version
 
     def checksum(self) -> str:
         return _checksum(self.model)

@@ -56,6 +56,7 @@ class Trainer:
         self.start_step = self._resume()
         self.engine: RolloutEngine | None = None
         self.version = self.start_step
+        self.sync_mode = config.rollout.sync  # "auto" is settled by measuring, before the first step
 
     # --- setup ---------------------------------------------------------------------------------------------------
 
@@ -93,21 +94,17 @@ class Trainer:
 
     def _start_engine(self) -> RolloutEngine:
         r, t = self.config.rollout, self.config.trainer
+        if r.sync != "merged" and not self.policy.is_lora:
+            raise TrainerError(f"rollout.sync={r.sync} needs a LoRA adapter (model.lora.rank > 0)")
         if r.engine == "vllm":
             from lorarl.trainer.vllm_engine import vllm_settings
 
-            if r.sync == "adapter" and not self.policy.is_lora:
-                raise TrainerError("rollout.sync=adapter needs a LoRA adapter (model.lora.rank > 0)")
-            adapter_rank = self.model.peft_config["default"].r if r.sync == "adapter" else None
+            adapter_rank = self.model.peft_config["default"].r if r.sync != "merged" else None
             settings = vllm_settings(self.policy.path, dtype=self.policy.dtype, seed=t.seed, devices=r.devices,
                                      tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
                                      gpu_memory_utilization=r.gpu_memory_utilization,
                                      adapter_rank=adapter_rank)  # fmt: skip
         else:
-            if r.sync == "adapter":
-                raise TrainerError(
-                    "rollout.sync=adapter needs rollout.engine=vllm (the hf engine takes merged weights)"
-                )
             settings = hf_settings(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
                                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                                    batch_size=r.batch_size)  # fmt: skip
@@ -141,10 +138,14 @@ class Trainer:
         self.engine = self._start_engine()
         try:
             with self._progress_bar() as progress:
+                chosen = self._choose_sync() if self.config.rollout.sync == "auto" else {}
+                if chosen:
+                    self._say(_sync_choice(chosen), progress)
                 self._sync()  # the engine starts from disk: give it this run's weights (an adapter, a resumed state)
                 first_eval = self.evaluate() if t.eval_every else {}
+                if (first_eval or chosen) and self.start_step == 0:
+                    log.log(0, {**chosen, **first_eval})
                 if first_eval and self.start_step == 0:
-                    log.log(0, first_eval)
                     self._say(f"step 0: validation accuracy {first_eval['val/accuracy']:.3f}", progress)
                 for step in range(self.start_step + 1, t.steps + 1):
                     metrics = self.train_step(step)
@@ -167,6 +168,8 @@ class Trainer:
     def _follow(self) -> dict:
         """A data-parallel rank other than 0: the same steps, its share of the training, the collectives."""
         t = self.config.trainer
+        if self.config.rollout.sync == "auto":
+            self._choose_sync()
         self._sync()
         for step in range(self.start_step + 1, t.steps + 1):
             self.train_step(step)
@@ -381,12 +384,41 @@ class Trainer:
         if stale:
             raise EngineError(f"the engine generated with weights version {sorted(stale)}, expected {self.version}")
 
-    def _sync(self, version: int | None = None):
-        """Stream the merged weights (base + adapter, one layer at a time) into the engine, or only the adapter
-        (`rollout.sync=adapter`). With data parallelism every rank takes part in the gathers; rank 0 sends."""
+    def _choose_sync(self) -> dict:
+        """`rollout.sync=auto`: time one rollout batch (the sync, then the generation) with the adapter served
+        unmerged and with merged weights; keep the faster for the run. Returns the figures (`sync/auto_*`)."""
+        r = self.config.rollout
+        prompts = [e.prompt_ids for e in self.train_set[: self.config.data.batch_size]]
+        figures = {}
+        for mode in ("adapter", "merged"):
+            started = time.perf_counter()
+            self._sync(mode=mode)
+            synced = time.perf_counter()
+            if self.engine is not None:
+                self.engine.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p,
+                                     max_tokens=r.max_tokens, seed=0)  # fmt: skip
+            figures[f"sync/auto_{mode}_sync_s"] = synced - started
+            figures[f"sync/auto_{mode}_generate_s"] = time.perf_counter() - synced
+        total = {mode: figures[f"sync/auto_{mode}_sync_s"] + figures[f"sync/auto_{mode}_generate_s"]
+                 for mode in ("adapter", "merged")}  # fmt: skip
+        choice = min(total, key=total.get)
+        self.sync_mode = self.dp.broadcast(choice) if self.dp is not None else choice
+        if self.sync_mode == "adapter":  # the engine holds merged weights now: give it the base back to serve on
+            self._sync(mode="base")
+        return {**figures, "sync/auto_chose_adapter": float(self.sync_mode == "adapter")}
+
+    def _sync(self, version: int | None = None, mode: str | None = None):
+        """Stream the merged weights (base + adapter, one layer at a time) into the engine (`mode` "merged"), only
+        the adapter ("adapter": the engine serves it on the weights it holds, which must be the base), or the base
+        weights alone ("base"); default: this run's sync mode. With data parallelism every rank takes part in the
+        gathers; rank 0 sends."""
         version = self.version if version is None else version
         dtype, stats = self.policy.dtype, None
-        if self.config.rollout.sync == "adapter":
+        mode = mode or self.sync_mode
+        if mode == "base":
+            with self.model.disable_adapter():
+                return self._sync(version, mode="merged")
+        if mode == "adapter":
             from peft import get_peft_model_state_dict
 
             tensors = get_peft_model_state_dict(self.model)
@@ -515,6 +547,13 @@ def _rollout_metrics(samples: list[Sample]) -> dict:
     if penalties.any():
         metrics["reward/overlong_penalty"] = float(penalties.mean())
     return metrics
+
+
+def _sync_choice(figures: dict) -> str:
+    parts = [f"{mode}: sync {figures[f'sync/auto_{mode}_sync_s']:.2f} s + rollout "
+             f"{figures[f'sync/auto_{mode}_generate_s']:.2f} s" for mode in ("adapter", "merged")]  # fmt: skip
+    choice = "adapter" if figures["sync/auto_chose_adapter"] else "merged"
+    return f"rollout.sync=auto chose {choice} ({'; '.join(parts)})"
 
 
 def _status(metrics: dict) -> str:

@@ -1,0 +1,62 @@
+"""`rollout.sync=adapter` with the HF engine: the engine serves the trainer's LoRA unmerged (peft) and generates what
+the merged weights generate; `rollout.sync=auto` measures both once and keeps the faster."""
+
+import json
+
+import pytest
+import torch
+from trainer_fixtures import tiny_overrides
+
+from lorarl.trainer.cli import main
+from lorarl.trainer.config import load_config
+from lorarl.trainer.loop import Trainer
+from lorarl.trainer.presets import PRESETS
+
+
+def test_the_served_adapter_generates_what_the_merged_weights_generate(tiny_setup, tmp_path):
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync="adapter")
+    trainer = Trainer(load_config(None, overrides, presets=PRESETS))
+    trainer.engine = trainer._start_engine()
+    try:
+        trainer._sync()
+        with torch.no_grad():  # a non-zero adapter (peft starts B at zero), as training would make it
+            for name, p in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
+        trainer._sync(version=3)  # sent as an adapter
+        assert trainer.engine.version == 3
+        prompts = [e.prompt_ids for e in trainer.train_set[:6]]
+        served = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+        trainer._sync(version=3, mode="merged")  # the same weights, merged this time
+        merged = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+        trainer._sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
+        trainer._sync(version=3, mode="adapter")
+        again = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+    finally:
+        trainer.engine.close()
+    for a, b, c in zip(served, merged, again, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-5)
+        assert a.logprobs == c.logprobs
+
+
+def test_an_adapter_run_learns(tiny_setup, tmp_path):
+    out = tmp_path / "out"
+    assert main(tiny_overrides(tiny_setup, out, rollout__sync="adapter")) == 0
+    rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
+
+
+def test_auto_measures_both_and_keeps_one(tiny_setup, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(tiny_overrides(tiny_setup, out, rollout__sync="auto", trainer__steps=3)) == 0
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0
+    for mode in ("adapter", "merged"):
+        assert first[f"sync/auto_{mode}_sync_s"] > 0
+        assert first[f"sync/auto_{mode}_generate_s"] > 0
+    chose_adapter = first["sync/auto_adapter_sync_s"] + first["sync/auto_adapter_generate_s"] < (
+        first["sync/auto_merged_sync_s"] + first["sync/auto_merged_generate_s"]
+    )
+    assert first["sync/auto_chose_adapter"] == pytest.approx(float(chose_adapter))
+    assert f"rollout.sync=auto chose {'adapter' if chose_adapter else 'merged'}" in capsys.readouterr().out
