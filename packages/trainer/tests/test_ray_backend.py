@@ -58,3 +58,15 @@ def test_a_ray_run_learns(tiny_setup, tmp_path):
 
 def test_replicas_need_the_ray_backend(tiny_setup, tmp_path):
     assert main(tiny_overrides(tiny_setup, tmp_path / "out", rollout__replicas=2)) == 2
+
+
+def test_trainer_ranks_as_ray_actors_learn(tiny_setup, tmp_path, capsys):
+    """Two data-parallel trainer ranks (FSDP2 over gloo) as Ray actors, with a rollout replica as a third actor."""
+    out = tmp_path / "out"
+    overrides = tiny_overrides(tiny_setup, out, trainer__backend="ray", trainer__n_gpus_per_node=2)
+    assert main(overrides) == 0
+    rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rewards) == 12  # written once, by rank 0
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
+    assert (out / "checkpoints" / "step_12" / "adapter" / "adapter_model.safetensors").is_file()
+    assert "done: 12 steps" in capsys.readouterr().out

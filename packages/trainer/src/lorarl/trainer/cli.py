@@ -2,6 +2,7 @@
 `uv run trainer export --checkpoint DIR --merged OUT`."""
 
 import argparse
+import os
 import sys
 
 from lorarl.trainer.config import ConfigError, help_text, load_config
@@ -31,9 +32,15 @@ def main(argv: list[str] | None = None) -> int:
         if len(files) > 1:
             raise ConfigError(f"at most one config file, got {files}")
         config = load_config(files[0] if files else None, [a for a in argv if "=" in a], presets=PRESETS)
-        from lorarl.trainer.loop import Trainer
+        t = config.trainer
+        if t.backend == "ray" and t.n_gpus_per_node * t.nnodes > 1 and "WORLD_SIZE" not in os.environ:
+            from lorarl.trainer.ray_trainer import run_on_ray
 
-        summary = Trainer(config, console=console).run()
+            summary = run_on_ray(config)  # the ranks are Ray actors; rank 0 prints
+        else:
+            from lorarl.trainer.loop import Trainer
+
+            summary = Trainer(config, console=console).run()
     except (ConfigError, TrainerError) as e:
         console.print(f"error: {e}", markup=False, style="red")
         return 2

@@ -139,6 +139,10 @@ class TrainerSection:
     resume: str = option("never", "never, auto (latest checkpoint in output_dir) or a checkpoint directory")
     device: str = option("auto", "auto, cpu or cuda")
     backend: str = option("local", "local (engine in a child process) or ray (engines as Ray actors)", ("local", "ray"))
+    n_gpus_per_node: int = option(1, "trainer ranks per node with backend=ray (a GPU each; processes on CPU)",
+                                  minimum=1)  # fmt: skip
+    nnodes: int = option(1, "nodes of trainer ranks with backend=ray (data-parallel size: n_gpus_per_node x nnodes)",
+                         minimum=1)  # fmt: skip
     ray_address: str | None = option(None, "Ray cluster to join (e.g. auto, or host:6379); None = start a local one")
 
 

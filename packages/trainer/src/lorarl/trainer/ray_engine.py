@@ -17,6 +17,17 @@ from lorarl.weight_sync import SyncStats, TensorSpec, create_sync_group, free_po
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
+def connect(address: str | None, *, cpus: int) -> bool:
+    """Join the Ray cluster at `address`, or start a local Ray with at least `cpus` logical CPUs (so that every
+    actor gets its bundle even on a small machine). Returns whether this call started Ray (then it shuts it down)."""
+    import ray
+
+    if ray.is_initialized():  # e.g. inside a trainer rank that is itself a Ray actor
+        return False
+    ray.init(address=address, num_cpus=None if address else max(os.cpu_count() or 1, cpus), include_dashboard=False)
+    return True
+
+
 class RayEngines:
     """The `RolloutEngine` interface over several worker actors."""
 
@@ -26,10 +37,7 @@ class RayEngines:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.timeout = settings["timeout"]
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:  # a local Ray: logical CPUs enough for every replica even on a small machine
-            ray.init(address=address, num_cpus=None if address else max(os.cpu_count() or 1, replicas + 1),
-                     include_dashboard=False)  # fmt: skip
+        self.started_ray = connect(address, cpus=replicas + 1)
         gpus = settings["sync_ranks"] if settings["device"].startswith("cuda") else 0  # a vLLM replica: TP GPUs
         self.placement = placement_group([{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}] * replicas, strategy="PACK")
         self._get(self.placement.ready(), f"placing {replicas} rollout replicas (not enough free resources?)")
