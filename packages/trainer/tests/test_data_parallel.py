@@ -44,16 +44,37 @@ def test_two_ranks_make_the_update_of_one(tiny_setup, tmp_path):
     assert single["metrics"]["grad_norm"] > 0  # a real update happened
 
 
-def test_a_torchrun_run_with_two_ranks_learns_and_saves_a_loadable_adapter(tiny_setup, tmp_path):
-    out = tmp_path / "out"
+def torchrun(setup: dict, out, **extra) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "lorarl.trainer.cli", *tiny_overrides(tiny_setup, out)]  # fmt: skip
+               "-m", "lorarl.trainer.cli", *tiny_overrides(setup, out, **extra)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_torchrun_run_with_two_ranks_learns_and_saves_a_loadable_adapter(tiny_setup, tmp_path):
+    out = tmp_path / "out"
+    done = torchrun(tiny_setup, out)
     assert done.stdout.count("done: 12 steps") == 1  # rank 0 reports; rank 1 trains silently
-    rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in records(out)]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
     adapter = out / "checkpoints" / "step_12" / "adapter"
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_setup["model"]), adapter)
     assert any("lora_B" in name and p.abs().sum() > 0 for name, p in model.named_parameters())  # trained, gathered
+
+
+def test_a_resumed_two_rank_run_repeats_the_uninterrupted_one(tiny_setup, tmp_path):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    torchrun(tiny_setup, straight, trainer__steps=4)
+    torchrun(tiny_setup, interrupted, trainer__steps=2)
+    torchrun(tiny_setup, interrupted, trainer__steps=4, trainer__resume="auto")  # weights, optimizer, data, RNG
+    expected, resumed = records(straight), records(interrupted)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(expected[2:], resumed[2:], strict=True):
+        for key in ("reward/mean", "response_length/mean", "loss", "kl", "entropy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)

@@ -43,8 +43,8 @@ def latest(output_dir: Path) -> Path | None:
     return max(found, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
-def load(path: Path, model: nn.Module, *, is_lora: bool) -> dict:
-    """Load the weights into `model`, restore the RNG states, and return the saved trainer state."""
+def load_weights(path: Path, model: nn.Module, *, is_lora: bool) -> None:
+    """The checkpoint's adapter (or full model) into `model` (unsharded: data-parallel ranks load before sharding)."""
     from safetensors.torch import load_file
 
     if is_lora:
@@ -53,8 +53,26 @@ def load(path: Path, model: nn.Module, *, is_lora: bool) -> dict:
         set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
     else:
         model.load_state_dict(load_file(str(path / "model" / "model.safetensors")), strict=False)
+
+
+def load_state(path: Path) -> dict:
+    """The saved trainer state (optimizer, scheduler, data position, step); restores the RNG states."""
     state = torch.load(path / STATE, weights_only=False)
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])  # noqa: NPY002 - the global generator is what libraries use
     torch.set_rng_state(state["rng"]["torch"])
     return state
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's full state keyed by parameter names, gathered from a sharded model (a collective then):
+    the same file resumes on any number of data-parallel ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

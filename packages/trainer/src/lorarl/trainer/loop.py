@@ -33,10 +33,11 @@ class Trainer:
         if config.rollout.replicas > 1 and t.backend != "ray":
             raise TrainerError(f"rollout.replicas={config.rollout.replicas} needs trainer.backend=ray")
         self.dp, self.device = setup_data_parallel(self.device)
-        if self.dp is not None and t.resume != "never":
-            raise TrainerError("trainer.resume with data-parallel ranks is not supported in this version")
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
+        resume_from = self._checkpoint_to_resume()
+        if resume_from is not None:  # before sharding: every rank reads the full weights
+            checkpoint.load_weights(resume_from, self.model, is_lora=self.policy.is_lora)
         if self.dp is not None:
             shard(self.model, self.dp.mesh)
             self.policy.trainable = [p for p in self.model.parameters() if p.requires_grad]  # now sharded
@@ -53,7 +54,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_factor(a.warmup_steps, t.steps, a.lr_schedule)
         )
-        self.start_step = self._resume()
+        self.start_step = self._resume(resume_from)
         self.engine: RolloutEngine | None = None
         self.version = self.start_step
         self.sync_mode = config.rollout.sync  # "auto" is settled by measuring, before the first step
@@ -76,17 +77,21 @@ class Trainer:
                                f"data.max_prompt_tokens={d.max_prompt_tokens}")  # fmt: skip
         return examples, dropped
 
-    def _resume(self) -> int:
+    def _checkpoint_to_resume(self) -> Path | None:
         resume = self.config.trainer.resume
         if resume == "never":
-            return 0
+            return None
         path = checkpoint.latest(self.output_dir) if resume == "auto" else Path(resume)
-        if path is None:
-            return 0  # auto, nothing to resume from: a fresh run
-        if not (path / checkpoint.STATE).is_file():
+        if path is not None and not (path / checkpoint.STATE).is_file():
             raise TrainerError(f"trainer.resume={resume!r}: {path} is not a checkpoint")
-        state = checkpoint.load(path, self.model, is_lora=self.policy.is_lora)
-        self.optimizer.load_state_dict(state["optimizer"])
+        return path  # None: auto, nothing to resume from (a fresh run)
+
+    def _resume(self, path: Path | None) -> int:
+        """The optimizer, scheduler, data position and RNG of the checkpoint whose weights are loaded already."""
+        if path is None:
+            return 0
+        state = checkpoint.load_state(path)
+        checkpoint.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self._say(f"resumed from {path} (step {state['step']})")
@@ -448,7 +453,8 @@ class Trainer:
 
     def save(self, step: int) -> Path | None:
         """A checkpoint by the main rank; with data parallelism every rank first takes part in gathering the
-        trainable weights (the optimizer state saved is then rank 0's shard: such runs cannot resume yet)."""
+        trainable weights and the optimizer state (saved whole: it resumes on any number of ranks)."""
+        optimizer = checkpoint.optimizer_state(self.model, self.optimizer)
         weights = None
         if self.dp is not None:
             trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
@@ -456,8 +462,7 @@ class Trainer:
                                        not self.policy.is_lora})  # fmt: skip
         if not self.is_main:
             return None
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "sampler": self.sampler.state_dict()}  # fmt: skip
+        state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
         return checkpoint.save(self.output_dir, step, self.model, is_lora=self.policy.is_lora, state=state,
                                config_yaml=to_yaml(self.config), weights=weights)  # fmt: skip
 
