@@ -160,7 +160,7 @@ class Trainer:
                     log.log(step, metrics)
                     if progress is not None:
                         progress.update(progress.task_ids[0], completed=step, status=_status(metrics))
-                    if (t.save_every and step % t.save_every == 0) or step == t.steps:
+                    if self._saves_at(step):
                         self.save(step)
         finally:
             self.engine.close()
@@ -178,9 +178,14 @@ class Trainer:
         self._sync()
         for step in range(self.start_step + 1, t.steps + 1):
             self.train_step(step)
-            if (t.save_every and step % t.save_every == 0) or step == t.steps:
+            if self._saves_at(step):
                 self.save(step)
         return {}
+
+    def _saves_at(self, step: int) -> bool:
+        """A checkpoint every `trainer.save_every` steps, and at the end."""
+        t = self.config.trainer
+        return bool(t.save_every and step % t.save_every == 0) or step == t.steps
 
     def train_step(self, step: int) -> dict:
         a = self.config.algorithm
@@ -321,9 +326,8 @@ class Trainer:
                         info["kl"] = float((kl.detach() * m).sum() / m.sum().clamp(min=1))
                         if a.kl_coef > 0 and not a.kl_in_reward:
                             loss = loss + a.kl_coef * algorithms.aggregate(kl, m, a.loss_agg_mode, **totals)
-                    entropy_value = algorithms.aggregate(entropy, m, a.loss_agg_mode, **totals)
                     if a.entropy_coef:
-                        loss = loss - a.entropy_coef * entropy_value
+                        loss = loss - a.entropy_coef * algorithms.aggregate(entropy, m, a.loss_agg_mode, **totals)
                     if micro is None:
                         (loss * 0.0).backward()
                         continue

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from lorarl.trainer.engine import Completion, EngineError
+from lorarl.trainer.models import DTYPES
 from lorarl.weight_sync import SyncStats, TensorSpec
 from lorarl.weight_sync.vllm import save_adapter
 
 EXTENSION = "lorarl.weight_sync.vllm.WeightSyncWorkerExtension"
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # vLLM names dtypes as model.dtype does
 
 
 def vllm_settings(model_path: Path | str, *, dtype: torch.dtype, tensor_parallel_size: int,
