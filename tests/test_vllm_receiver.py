@@ -33,6 +33,19 @@ def test_extension_loads_weights_handed_over_in_process_for_a_colocated_engine()
         assert np.array_equal(state[name], array), name
 
 
+def test_extension_loads_shared_buckets_as_tensor_parallel_workers_of_a_colocated_engine_do():
+    out = run_group([v.shared_trainer, partial(v.shared_engine, dist_port=free_port())], join=False, deadline=240)
+    assert out[0][0] == "ok", out[0][1]
+    assert out[1][0] == "ok", out[1][1]
+    posted, expected = out[0][1]
+    loaded, state = out[1][1]
+    assert all(buckets > 3 for _, _, buckets in posted)  # many small buckets, each version in one load_weights
+    assert [tuple(x) for x in loaded] == [(6, *posted[0][:2]), (7, *posted[1][:2])]
+    assert set(state) == set(expected)
+    for name, array in expected.items():  # the second version, with the changed adapter
+        assert np.array_equal(state[name], array), name
+
+
 def test_extension_writes_a_received_adapter_that_peft_loads(tmp_path):
     from peft import PeftModel
     from tiny_models import tiny_qwen2

@@ -10,6 +10,7 @@ from tiny_models import tiny_lora_qwen2
 
 from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
 from lorarl.weight_sync import BucketSender, create_sync_group
+from lorarl.weight_sync.shared import BucketMailbox, share_buckets
 from lorarl.weight_sync.vllm import VllmWeightSync, WeightSyncWorkerExtension
 
 
@@ -93,6 +94,29 @@ def colocated(port: int, rank: int):
     loaded = worker.lorarl_load_weights(iter_merged_weights(model))
     expected = plain(fused_reference(model.merge_and_unload().state_dict()))
     return loaded, expected, plain(dict(worker.model_runner.model.named_parameters()))
+
+
+def shared_trainer(port: int, rank: int):
+    """A colocated trainer whose engine's workers are processes of their own: two versions of the merged weights
+    posted as shared buckets (the second after a change to the adapter)."""
+    model = tiny_lora_qwen2()
+    mailbox = BucketMailbox("127.0.0.1", port, rank=0, consumers=1, timeout=60)
+    posted = []
+    for version in (6, 7):
+        if version == 7:
+            with torch.no_grad():
+                next(p for n, p in model.named_parameters() if "lora_B" in n).add_(0.5)
+        buckets = share_buckets(iter_merged_weights(model), version=version, device="cpu", bucket_bytes=16 << 10,
+                                direct_bytes=4096, manifest=merged_weight_specs(model))  # fmt: skip
+        posted.append(mailbox.post(buckets))
+    return posted, plain(fused_reference(model.merge_and_unload().state_dict()))
+
+
+def shared_engine(port: int, rank: int, dist_port: int):
+    worker = vllm_worker(dist_port)
+    assert worker.lorarl_join_mailbox("127.0.0.1", port, consumers=1, timeout=60) == 1
+    loaded = [worker.lorarl_load_from_mailbox() for _ in range(2)]
+    return loaded, plain(dict(worker.model_runner.model.named_parameters()))
 
 
 def adapter_trainer(port: int, rank: int):

@@ -17,10 +17,6 @@ from lorarl.trainer.cli import main
         ({"model__path": "/nonexistent/model"}, "is not a Hugging Face model directory"),
         ({"model__lora__rnak": 4}, "did you mean 'model.lora.rank'"),
         ({"trainer__steps": "many"}, "trainer.steps"),
-        (
-            {"rollout__engine": "vllm", "rollout__tensor_parallel_size": 2},
-            "colocated vllm engine has tensor_parallel_size 1",
-        ),
         ({"rollout__sync": "auto", "model__lora__rank": 0}, "rollout.sync=auto needs a LoRA adapter"),
         (
             {"rollout__engine": "vllm", "rollout__devices": "1", "rollout__sync": "adapter", "model__lora__rank": 0},

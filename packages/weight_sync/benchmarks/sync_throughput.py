@@ -9,7 +9,7 @@ Per case (payload, bucket size):
 The receiver loads into preallocated tensors of the same names (`load_into` a module, as a rollout engine does),
 like the baselines, which also receive into preallocated memory.
 
-    uv run python packages/weight_sync/benchmarks/sync_throughput.py [--quick] [--backend gloo|nccl]
+    uv run python packages/weight_sync/benchmarks/sync_throughput.py [--quick] [--backend gloo|nccl] [--gloo-threads N]
 """
 
 import argparse
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lorarl.weight_sync import BucketReceiver, BucketSender, create_sync_group, free_port
+from lorarl.weight_sync.group import GLOO_THREADS
 from lorarl.weight_sync.sender import DEFAULT_DIRECT_BYTES
 
 MB = 1 << 20
@@ -95,10 +96,10 @@ def bucketed(sender: BucketSender | None, receiver: BucketReceiver | None, tenso
         receiver.load_into(Engine(tensors))
 
 
-def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, results) -> None:
+def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, gloo_threads: int, results) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    group = create_sync_group("127.0.0.1", port, 2, rank, backend=backend, timeout=600)
+    group = create_sync_group("127.0.0.1", port, 2, rank, backend=backend, timeout=600, gloo_threads=gloo_threads)
     device = device_of(group)
     repeats = 3 if quick else 5
     bucket_sizes = [16, 64, 256]
@@ -129,7 +130,7 @@ def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, resul
             for b in bucket_sizes:
                 results.put({
                     "payload": kind, "backend": backend, "tensors": len(tensors), "bytes": total, "bucket_mb": b,
-                    "direct_mb": direct_mb,
+                    "direct_mb": direct_mb, "gloo_threads": gloo_threads if backend == "gloo" else None,
                     "seconds": round(median[b], 4), "gbps": round(total / median[b] / 1e9, 3),
                     "ratio_to_raw": round(median["raw"] / median[b], 3),
                     "speedup_vs_per_tensor": round(median["per_tensor"] / median[b], 2),
@@ -144,12 +145,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--direct-mb", type=float, default=DEFAULT_DIRECT_BYTES / MB, help="direct_bytes, in MB")
+    parser.add_argument("--gloo-threads", type=int, default=GLOO_THREADS, help="worker threads of the gloo group")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=run, args=(r, port, args.backend, args.quick, args.direct_mb, results)) for r in range(2)
+        ctx.Process(target=run, args=(r, port, args.backend, args.quick, args.direct_mb, args.gloo_threads, results))
+        for r in range(2)
     ]
     for p in procs:
         p.start()

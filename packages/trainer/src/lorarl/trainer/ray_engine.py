@@ -74,16 +74,21 @@ class RayEngines:
     ) -> SyncStats:
         received = [actor.receive.remote() for actor in self.actors]
         stats = self.sender.send(named_tensors, version=version, manifest=manifest)
-        self.version = self._same(self._get(received, "receive"), "weights version")
-        if self.version != version:
-            raise EngineError(f"the engines report weights version {self.version} after receiving {version}")
+        self.version = self._received(received, "receive", version)
         return stats
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
         received = [actor.receive_adapter.remote() for actor in self.actors]
         stats = self.sender.send_adapter(tensors, config, version=version)
-        self.version = self._same(self._get(received, "receive_adapter"), "adapter version")
+        self.version = self._received(received, "receive_adapter", version)
         return stats
+
+    def _received(self, futures, what: str, version: int) -> int:
+        """The version every replica reports after `what`, which must be the one sent."""
+        reported = self._same(self._get(futures, what), f"version after {what}")
+        if reported != version:
+            raise EngineError(f"the engines report version {reported} after {what} of version {version}")
+        return reported
 
     def weights_checksum(self) -> str:
         return self._same(self._get([actor.checksum.remote() for actor in self.actors], "checksum"), "weights")

@@ -10,10 +10,12 @@ compares with the trainer's. vLLM is imported only inside the worker.
 which the engine serves unmerged with `enable_lora` (its base weights are the ones it loaded from `model.path`).
 
 Disaggregated engines (`VllmWorker`, on GPUs of their own, in a process or a Ray actor) receive over NCCL. A colocated
-engine (`ColocatedVllmEngine`, on the trainer's GPU, in the trainer's process) receives nothing over a wire: the
-merged tensors go from `iter_merged_weights` straight into vLLM's `load_weights`; it sleeps while the trainer trains.
+engine (`ColocatedVllmEngine`, on the trainer's GPUs) receives nothing over a wire: with tensor-parallel size 1 the
+merged tensors go from `iter_merged_weights` straight into vLLM's `load_weights` in the trainer's process, with more
+its workers read them in place through CUDA IPC; it sleeps while the trainer trains.
 """
 
+import concurrent.futures
 import os
 import tempfile
 import time
@@ -24,7 +26,8 @@ import torch
 
 from lorarl.trainer.engine import Completion, EngineError
 from lorarl.trainer.models import DTYPES
-from lorarl.weight_sync import SyncStats, TensorSpec
+from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, TensorSpec, free_port
+from lorarl.weight_sync.shared import BucketMailbox, share_buckets
 from lorarl.weight_sync.vllm import save_adapter
 
 EXTENSION = "lorarl.weight_sync.vllm.WeightSyncWorkerExtension"
@@ -123,27 +126,38 @@ class VllmWorker:
 
 
 class ColocatedVllmEngine:
-    """vLLM in the trainer's process, on the trainer's GPU (`rollout.devices` unset; tensor_parallel_size 1).
+    """vLLM on the trainer's GPUs (`rollout.devices` unset), started by the trainer's process (rank 0).
 
-    The weights go from `iter_merged_weights` to `load_weights` on the same device, one layer at a time, with no copy
-    in between (the adapter, with `rollout.sync=adapter`, is written where the engine loads it from). The engine
-    sleeps while the trainer trains (`sleep()`, called by the trainer after the rollouts): level 2 — weights and KV
-    cache freed — with merged sync, since the next sync replaces every weight; level 1 — weights to CPU — with adapter
-    sync, whose base must survive. `sync_weights` wakes it.
+    Tensor-parallel size 1: the engine's worker runs in the trainer's process, and the weights go from
+    `iter_merged_weights` to `load_weights` on the same device, one layer at a time, with no copy in between. Larger:
+    its workers are processes of their own on GPUs 0..TP-1 (those of the trainer's ranks), and the weights go as shared
+    buckets — CUDA IPC handles of packed buffers and of the merged tensors themselves on the trainer's GPU, which every
+    worker reads in place and shards (`lorarl.weight_sync.shared`). With `rollout.sync=adapter` the adapter is written
+    where the engine loads it from. The engine sleeps while the trainer trains (`sleep()`, called by the trainer after
+    the rollouts): level 2 — weights and KV cache freed — with merged sync, since the next sync replaces every weight;
+    level 1 — weights to CPU — with adapter sync, whose base must survive. `sync_weights` wakes it. A sync that fails
+    part-way leaves the engine refusing to generate: its weights are neither the old version nor the new.
     """
 
-    def __init__(self, settings: dict):
-        if settings["tensor_parallel_size"] != 1:
-            raise EngineError("a colocated vllm engine has tensor_parallel_size 1 (set rollout.devices for more)")
+    def __init__(self, settings: dict, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         from vllm import LLM
 
         self.llm = LLM(**engine_args(settings), enable_sleep_mode=True)
+        self.bucket_bytes, self.mailbox, self.rpc = bucket_bytes, None, None
+        if settings["tensor_parallel_size"] > 1:  # workers in processes of their own: shared buckets
+            self.rpc = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorarl-vllm-rpc")
+            workers, port = settings["tensor_parallel_size"], free_port()
+            timeout = settings["timeout"]
+            self.mailbox = BucketMailbox("127.0.0.1", port, rank=0, consumers=workers, timeout=timeout)
+            self.llm.collective_rpc("lorarl_join_mailbox", args=("127.0.0.1", port, workers, timeout))
         self.adapter_mode = settings["adapter_rank"] is not None
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-"))
-        self.version, self.asleep, self.lora_request = 0, False, None
+        self.version, self.asleep, self.lora_request, self.broken = 0, False, None, None
 
     def generate(self, prompts, *, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+        if self.broken:
+            raise EngineError(f"the colocated engine holds half-loaded weights ({self.broken}): it cannot generate")
         if self.asleep:
             if not self.adapter_mode:
                 raise EngineError("the colocated engine freed its weights to sleep: sync weights before generating")
@@ -163,14 +177,37 @@ class ColocatedVllmEngine:
         started = time.perf_counter()
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        (tensors, nbytes), *_ = self.llm.collective_rpc("lorarl_load_weights", args=(named_tensors,))
+        try:
+            tensors, nbytes, buckets = self._load(named_tensors, version, manifest)
+        except BaseException as error:
+            self.broken = f"the sync of version {version} failed: {type(error).__name__}: {error}"
+            raise
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])  # a fresh cache
             self.asleep = False
         else:
             self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
-        self.version = version
-        return SyncStats(version, tensors, nbytes, 0, time.perf_counter() - started)
+        self.version, self.broken = version, None
+        return SyncStats(version, tensors, nbytes, buckets, time.perf_counter() - started)
+
+    def _load(self, named_tensors, version: int, manifest) -> tuple[int, int, int]:
+        """Into every worker: handed over in this process, or as shared buckets through the mailbox (the workers
+        take them in a `collective_rpc` that runs while this thread posts them)."""
+        if self.mailbox is None:
+            (tensors, nbytes), *_ = self.llm.collective_rpc("lorarl_load_weights", args=(named_tensors,))
+            return tensors, nbytes, 0
+        device = torch.device("cuda", torch.cuda.current_device())
+        loading = self.rpc.submit(self.llm.collective_rpc, "lorarl_load_from_mailbox")
+        try:
+            posted = self.mailbox.post(share_buckets(named_tensors, version=version, device=device,
+                                                     bucket_bytes=self.bucket_bytes, manifest=manifest))  # fmt: skip
+        except BaseException:
+            loading.exception(timeout=self.mailbox.timeout)  # the workers stop too (told by the mailbox)
+            raise
+        results = loading.result(timeout=self.mailbox.timeout)
+        if any(tuple(loaded) != (version, *posted[:2]) for loaded in results):
+            raise EngineError(f"vLLM workers report {results} (version, tensors, bytes) after version {version}")
+        return posted
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
         from vllm.lora.request import LoRARequest

@@ -5,24 +5,42 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+GLOO_THREADS = 8
+"""Worker threads of a gloo sync group (torch's default is 2): a transfer keeps one broadcast in flight per large
+tensor, and with 2 threads they queue behind each other; 8 measured faster in `benchmarks/sync_throughput.py`."""
+
 
 def create_sync_group(
-    host: str, port: int, world_size: int, rank: int, *, backend: str = "gloo", timeout: float = 300.0
+    host: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    gloo_threads: int = GLOO_THREADS,
 ) -> dist.ProcessGroup:
     """Join a `world_size`-process group by TCP-store rendezvous on `host:port` (rank 0 hosts the store).
 
     Independent of any default group the processes may already have (an engine's tensor-parallel group, a trainer's
     data-parallel group): it is what vLLM worker extensions need. `backend`: "gloo" (CPU tensors) or "nccl" (CUDA
     tensors; each process must have its CUDA device set). Every collective on it fails after `timeout` seconds.
+    `gloo_threads`: worker threads of a gloo group (collectives it runs at once).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must lie in [0, world_size) = [0, {world_size}), got {rank}")
+    if gloo_threads < 1:
+        raise ValueError(f"gloo_threads must be >= 1, got {gloo_threads}")
     limit = timedelta(seconds=timeout)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=limit, wait_for_workers=True)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, limit)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = limit
+        options._threads = gloo_threads
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = limit
     return dist.ProcessGroupNCCL(store, rank, world_size, options)

@@ -81,12 +81,7 @@ class BucketSender:
         `lora_merge.merged_weight_specs`) so receivers can validate the whole transfer before applying anything.
         Raises `TransferError` if a receiver died, stalled past the timeout, or failed to apply the transfer.
         """
-        if isinstance(named_tensors, Mapping):
-            pairs = list(named_tensors.items())
-        elif isinstance(named_tensors, Sequence):
-            pairs = list(named_tensors)
-        else:
-            pairs = named_tensors
+        pairs = pairs_of(named_tensors)
         own_manifest = manifest is None and isinstance(pairs, list)
         if own_manifest:
             manifest = [TensorSpec.of(name, tensor) for name, tensor in pairs]
@@ -210,17 +205,29 @@ class _Packer:
         yield BucketHeader(index, True, entries), packed, direct
 
     def _check(self, count: int, name: str, tensor: torch.Tensor) -> TensorSpec:
-        if self.trusted:
-            return self.manifest[count]
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise TypeError(
-                f"named_tensors must yield (str, Tensor) pairs, got ({type(name).__name__}, {type(tensor).__name__})"
-            )
-        spec = TensorSpec.of(name, tensor)
-        if self.manifest is not None and (count >= len(self.manifest) or self.manifest[count] != spec):
-            expected = self.manifest[count] if count < len(self.manifest) else "nothing more"
-            raise ValueError(f"tensor #{count} {spec} does not match the manifest ({expected})")
-        return spec
+        return self.manifest[count] if self.trusted else check_pair(self.manifest, count, name, tensor)
+
+
+def pairs_of(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]] | Iterable[tuple[str, torch.Tensor]]:
+    """A Mapping's or a Sequence's pairs as a list; a lazy iterator as it is."""
+    if isinstance(named_tensors, Mapping):
+        return list(named_tensors.items())
+    if isinstance(named_tensors, Sequence):
+        return list(named_tensors)
+    return named_tensors
+
+
+def check_pair(manifest: list[TensorSpec] | None, count: int, name: str, tensor: torch.Tensor) -> TensorSpec:
+    """The spec of input pair #`count`, which must be a (str, Tensor) and match the manifest's entry, if any."""
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"named_tensors must yield (str, Tensor) pairs, got ({type(name).__name__}, {type(tensor).__name__})"
+        )
+    spec = TensorSpec.of(name, tensor)
+    if manifest is not None and (count >= len(manifest) or manifest[count] != spec):
+        expected = manifest[count] if count < len(manifest) else "nothing more"
+        raise ValueError(f"tensor #{count} {spec} does not match the manifest ({expected})")
+    return spec
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:

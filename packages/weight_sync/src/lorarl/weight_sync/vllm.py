@@ -6,7 +6,9 @@
 
 Every worker (each tensor-parallel rank of every engine) receives the full tensors and hands them to its model's
 `load_weights`, which shards them; then vLLM's post-load processing runs (repacking, quantization). A colocated
-engine (in the trainer's process) is handed the tensors directly (`lorarl_load_weights`). Importing this module does
+engine is handed the tensors directly when its worker shares the trainer's process (`lorarl_load_weights`), or as
+shared buckets (CUDA IPC, `lorarl.weight_sync.shared`) when its tensor-parallel workers are processes of their own
+on the trainer's GPUs (`lorarl_join_mailbox`, `lorarl_load_from_mailbox`). Importing this module does
 not import vLLM; the extension's methods do, inside the worker.
 """
 
@@ -21,6 +23,7 @@ from lorarl.weight_sync.group import create_sync_group, free_port
 from lorarl.weight_sync.protocol import TensorSpec, TransferError, jsonable
 from lorarl.weight_sync.receiver import BucketReceiver
 from lorarl.weight_sync.sender import DEFAULT_BUCKET_BYTES, BucketSender, SyncStats
+from lorarl.weight_sync.shared import BucketMailbox
 
 
 class WeightSyncWorkerExtension:
@@ -63,6 +66,19 @@ class WeightSyncWorkerExtension:
         model.load_weights(counted())
         finish_loading(model, self.model_runner.model_config, self.device)
         return counts[0], counts[1]
+
+    def lorarl_join_mailbox(self, host: str, port: int, consumers: int, timeout: float = 300.0) -> int:
+        """Join a colocated trainer's `BucketMailbox` (tensor-parallel workers are processes of their own on the
+        trainer's GPUs: they read its buckets through CUDA IPC). Returns this worker's consumer rank."""
+        rank = self.lorarl_sync_rank(1)
+        self._lorarl_mailbox = BucketMailbox(host, port, rank=rank, consumers=consumers, timeout=timeout)
+        return rank
+
+    def lorarl_load_from_mailbox(self) -> tuple[int, int, int]:
+        """Load one transfer posted to the mailbox — all its buckets in one `load_weights` call, each tensor copied
+        onto this worker's device — then vLLM's post-load processing. Returns `(version, tensors, bytes)`."""
+        tensors, nbytes = self.lorarl_load_weights(self._lorarl_mailbox.receive(self.device))
+        return self._lorarl_mailbox.version, tensors, nbytes
 
     def lorarl_receive_adapter(self, directory: str) -> tuple[int, str]:
         """Receive a LoRA adapter and write it as a peft adapter directory (for a `LoRARequest`); every worker takes

@@ -1,0 +1,83 @@
+"""The processes of the shared-bucket tests: a producer posting buckets to a `BucketMailbox`, consumers taking them
+(as a colocated trainer and its engine's tensor-parallel workers do)."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+from sync_workers import SMALL_BUCKET, mixed_tensors
+
+from lorarl.weight_sync.shared import BucketMailbox, share_buckets
+
+TIMEOUT = 20.0
+
+
+def mailbox(port: int, rank: int, consumers: int = 2, timeout: float = TIMEOUT) -> BucketMailbox:
+    return BucketMailbox("127.0.0.1", port, rank=rank, consumers=consumers, timeout=timeout)
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """An owned numpy copy (bf16 as its raw 16 bits): safe to return from a process."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy().copy()
+
+
+def producer(port: int, rank: int, timeout: float = TIMEOUT) -> list[tuple[int, int, int]]:
+    """Two transfers of `mixed_tensors` in small buckets (the packed buffer reused many times)."""
+    box = mailbox(port, rank, timeout=timeout)
+    share = {"device": "cpu", "bucket_bytes": SMALL_BUCKET, "direct_bytes": 4096}
+    return [
+        box.post(share_buckets(mixed_tensors(seed), version=version, **share)) for version, seed in ((3, 0), (4, 1))
+    ]
+
+
+def consumer(port: int, rank: int) -> list[tuple[int | None, dict[str, np.ndarray]]]:
+    """Take both transfers; each tensor must be a tensor of its own (not a view of shared memory)."""
+    box = mailbox(port, rank)
+    transfers = []
+    for _ in range(2):
+        received = {}
+        for name, tensor in box.receive("cpu"):
+            assert name not in received, name
+            assert not tensor.is_shared(), name
+            received[name] = as_array(tensor)
+        transfers.append((box.version, received))
+    return transfers
+
+
+def failing_producer(port: int, rank: int) -> str:
+    """Its input raises after a few tensors: the consumers must learn of it."""
+
+    def tensors():
+        yield from list(mixed_tensors().items())[:5]
+        raise RuntimeError("the merge failed")
+
+    try:
+        buckets = share_buckets(tensors(), version=1, device="cpu", bucket_bytes=SMALL_BUCKET, direct_bytes=4096)
+        mailbox(port, rank).post(buckets)
+    except RuntimeError as e:
+        time.sleep(3)  # a trainer lives on after a failed sync: the consumers read the abort notice it left
+        return str(e)
+    return "no error"
+
+
+def expect_error(port: int, rank: int) -> str:
+    try:
+        for _ in mailbox(port, rank).receive("cpu"):
+            pass
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def dying_consumer(port: int, rank: int) -> None:
+    """Takes the first bucket, then dies (the test harness reports it as hung: it never answers)."""
+    for _ in mailbox(port, rank).receive("cpu"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stopping_consumer(port: int, rank: int) -> str:
+    """Stops after the first tensor (as a `load_weights` that raises does)."""
+    next(iter(mailbox(port, rank).receive("cpu")))
+    return "stopped"
