@@ -1,5 +1,6 @@
 """The vLLM receiving side against vLLM's own model classes (built on CPU; vLLM engines cannot start here)."""
 
+import math
 from functools import partial
 
 import numpy as np
@@ -44,6 +45,25 @@ def test_extension_loads_shared_buckets_as_tensor_parallel_workers_of_a_colocate
     assert set(state) == set(expected)
     for name, array in expected.items():  # the second version, with the changed adapter
         assert np.array_equal(state[name], array), name
+
+
+def test_colocated_engine_syncs_through_shared_buckets_and_refuses_to_generate_after_a_failed_sync():
+    from tiny_models import tiny_lora_qwen2
+
+    from lorarl.lora_merge import merged_weight_specs
+
+    out = run_group([v.colocated_engine], join=False, deadline=240)
+    assert out[0][0] == "ok", out[0][1]
+    (version, tensors, nbytes, buckets), engine_version, errors, state, expected = out[0][1]
+    specs = merged_weight_specs(tiny_lora_qwen2())
+    assert (version, tensors, nbytes) == (3, len(specs), sum(math.prod(shape) * dtype.itemsize
+                                                               for _, shape, dtype in specs))  # fmt: skip
+    assert buckets > 3
+    for name, array in expected.items():
+        assert np.array_equal(state[name], array), name
+    assert engine_version == 3  # the failed version 4 is not reported
+    assert errors[0] == "RuntimeError: the merge failed"
+    assert errors[1].startswith("EngineError: the colocated engine holds half-loaded weights (the sync of version 4")
 
 
 def test_extension_writes_a_received_adapter_that_peft_loads(tmp_path):

@@ -119,6 +119,39 @@ def shared_engine(port: int, rank: int, dist_port: int):
     return loaded, plain(dict(worker.model_runner.model.named_parameters()))
 
 
+def colocated_engine(port: int, rank: int):
+    """The colocated engine's shared-bucket path (tensor-parallel workers in processes of their own), its worker here
+    in a thread: a version loads; an input that fails part-way leaves the engine refusing to generate."""
+    from lorarl.trainer.engine import EngineError
+    from lorarl.trainer.vllm_engine import ColocatedVllmEngine
+
+    model = tiny_lora_qwen2()
+    llm = LocalLLM([vllm_worker(port)])
+    engine = ColocatedVllmEngine(llm, workers=1, in_process=False, adapter_mode=False, bucket_bytes=16 << 10,
+                                 timeout=60, device="cpu")  # fmt: skip
+    stats = engine.sync_weights(iter_merged_weights(model), version=3, manifest=merged_weight_specs(model))
+    state = plain(dict(llm.workers[0].model_runner.model.named_parameters()))
+
+    def failing():
+        yield from list(iter_merged_weights(model))[:4]
+        raise RuntimeError("the merge failed")
+
+    errors = []
+    for call in (lambda: engine.sync_weights(failing(), version=4, manifest=merged_weight_specs(model)),
+                 lambda: engine.generate([[1, 2]], n=1, temperature=1.0, top_p=1.0, max_tokens=2, seed=0)):  # fmt: skip
+        try:
+            call()
+        except (RuntimeError, EngineError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return (
+        (stats.version, stats.tensors, stats.bytes, stats.buckets),
+        engine.version,
+        errors,
+        state,
+        plain(fused_reference(model.merge_and_unload().state_dict())),
+    )
+
+
 def adapter_trainer(port: int, rank: int):
     from peft import get_peft_model_state_dict
 
@@ -147,6 +180,9 @@ class LocalLLM:
     def collective_rpc(self, method, args=()):
         calls = [self.pool.submit(getattr(worker, method), *args) for worker in self.workers]
         return [call.result(timeout=120) for call in calls]
+
+    def reset_prefix_cache(self):
+        """No KV cache here to reset."""
 
 
 def driver(port: int, rank: int, dist_port: int):

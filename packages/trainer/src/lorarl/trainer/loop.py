@@ -116,7 +116,7 @@ class Trainer:
         if r.engine == "vllm" and t.backend == "local" and r.devices is None:
             from lorarl.trainer.vllm_engine import ColocatedVllmEngine
 
-            return ColocatedVllmEngine(settings, bucket_bytes=r.bucket_mb << 20)
+            return ColocatedVllmEngine.start(settings, bucket_bytes=r.bucket_mb << 20)
         if t.backend == "ray":
             from lorarl.trainer.ray_engine import RayEngines
 

@@ -139,19 +139,31 @@ class ColocatedVllmEngine:
     part-way leaves the engine refusing to generate: its weights are neither the old version nor the new.
     """
 
-    def __init__(self, settings: dict, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    @classmethod
+    def start(cls, settings: dict, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "ColocatedVllmEngine":
+        """Start vLLM for these settings (sleep mode on) on the trainer's GPUs."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         from vllm import LLM
 
-        self.llm = LLM(**engine_args(settings), enable_sleep_mode=True)
-        self.bucket_bytes, self.mailbox, self.rpc = bucket_bytes, None, None
-        if settings["tensor_parallel_size"] > 1:  # workers in processes of their own: shared buckets
+        workers = settings["tensor_parallel_size"]
+        return cls(LLM(**engine_args(settings), enable_sleep_mode=True), workers=workers, in_process=workers == 1,
+                   adapter_mode=settings["adapter_rank"] is not None, bucket_bytes=bucket_bytes,
+                   timeout=settings["timeout"])  # fmt: skip
+
+    def __init__(self, llm, *, workers: int, in_process: bool, adapter_mode: bool, bucket_bytes: int, timeout: float,
+                 device: torch.device | str | None = None):  # fmt: skip
+        """Around a running `llm` with lorarl's worker extension and `workers` workers; `in_process`: its one worker
+        shares this process, else the weights go as shared buckets on `device` (default: the current CUDA one)."""
+        self.llm, self.bucket_bytes, self.mailbox, self.rpc = llm, bucket_bytes, None, None
+        if not in_process:
+            self.device = (
+                torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+            )
             self.rpc = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorarl-vllm-rpc")
-            workers, port = settings["tensor_parallel_size"], free_port()
-            timeout = settings["timeout"]
+            port = free_port()
             self.mailbox = BucketMailbox("127.0.0.1", port, rank=0, consumers=workers, timeout=timeout)
             self.llm.collective_rpc("lorarl_join_mailbox", args=("127.0.0.1", port, workers, timeout))
-        self.adapter_mode = settings["adapter_rank"] is not None
+        self.adapter_mode = adapter_mode
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-"))
         self.version, self.asleep, self.lora_request, self.broken = 0, False, None, None
 
@@ -196,10 +208,9 @@ class ColocatedVllmEngine:
         if self.mailbox is None:
             (tensors, nbytes), *_ = self.llm.collective_rpc("lorarl_load_weights", args=(named_tensors,))
             return tensors, nbytes, 0
-        device = torch.device("cuda", torch.cuda.current_device())
         loading = self.rpc.submit(self.llm.collective_rpc, "lorarl_load_from_mailbox")
         try:
-            posted = self.mailbox.post(share_buckets(named_tensors, version=version, device=device,
+            posted = self.mailbox.post(share_buckets(named_tensors, version=version, device=self.device,
                                                      bucket_bytes=self.bucket_bytes, manifest=manifest))  # fmt: skip
         except BaseException:
             loading.exception(timeout=self.mailbox.timeout)  # the workers stop too (told by the mailbox)

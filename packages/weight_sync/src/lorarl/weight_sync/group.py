@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 GLOO_THREADS = 8
 """Worker threads of a gloo sync group (torch's default is 2): a transfer keeps one broadcast in flight per large
-tensor, and with 2 threads they queue behind each other; 8 measured faster in `benchmarks/sync_throughput.py`."""
+tensor; with 8 they need not queue behind each other (measured no slower in `benchmarks/sync_throughput.py`)."""
 
 
 def create_sync_group(

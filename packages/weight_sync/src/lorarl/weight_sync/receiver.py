@@ -42,6 +42,16 @@ class PartialLoadError(TransferError):
 
 
 @dataclass
+class _Posted:
+    """A bucket whose receives are posted: its header, where its payload and direct entries land, their broadcasts."""
+
+    bucket: BucketHeader
+    payload: torch.Tensor
+    direct: list[torch.Tensor]
+    works: list[dist.Work]
+
+
+@dataclass
 class _Transfer:
     """A receive in progress: its header, where the bucket stream stands, tensors being reassembled."""
 
@@ -50,11 +60,17 @@ class _Transfer:
     next_index: int = 0  # the bucket to receive next
     control: torch.Tensor | None = None  # its control message, already posted ...
     pending: dist.Work | None = None  # ... by this broadcast
-    finished: bool = False  # the last bucket (or the sender's abort notice) has arrived
+    ahead: _Posted | None = None  # the bucket after the one being completed, its receives already posted
+    finished: bool = False  # the last bucket's (or the sender's abort notice's) receives are posted
     received: int = 0  # tensors completed
     split: tuple[TensorSpec, int] | None = None  # tensor being received in parts, and its next byte
     assembling: dict[str, torch.Tensor] = field(default_factory=dict)  # bytes of tensors received in parts
     manifest_index: dict[str, TensorSpec] = field(default_factory=dict)
+
+    @property
+    def exhausted(self) -> bool:
+        """Every bucket has been received."""
+        return self.finished and self.ahead is None
 
 
 class BucketReceiver:
@@ -72,7 +88,7 @@ class BucketReceiver:
         if self.channel.rank == src:
             raise ValueError(f"BucketReceiver runs on ranks other than src ({src})")
         self.version: int | None = None
-        self._scratch: torch.Tensor | None = None  # the packed payload being received
+        self._scratch: list[torch.Tensor | None] = [None, None]  # packed payloads being received (two buckets)
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the `(name, tensor)` of one transfer of weights, in the order sent.
@@ -134,11 +150,13 @@ class BucketReceiver:
             self._fail(transfer, ProtocolError(f"expected a {kind!r} transfer, the sender sent {header.kind!r}"))
         return transfer
 
-    def _payload(self, size: int) -> torch.Tensor:
-        """A receive buffer of at least `size` bytes, reused from transfer to transfer (grown when needed)."""
-        if self._scratch is None or self._scratch.numel() < size:
-            self._scratch = torch.empty(size, dtype=torch.uint8, device=self.channel.device)
-        return self._scratch[:size]
+    def _payload(self, size: int, index: int) -> torch.Tensor:
+        """A receive buffer of at least `size` bytes for bucket `index`, reused from transfer to transfer (grown when
+        needed); consecutive buckets get different ones, as both may be in flight."""
+        slot = index % 2
+        if self._scratch[slot] is None or self._scratch[slot].numel() < size:
+            self._scratch[slot] = torch.empty(size, dtype=torch.uint8, device=self.channel.device)
+        return self._scratch[slot][:size]
 
     def _post_control(self, transfer: _Transfer) -> None:
         transfer.control = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.channel.device)
@@ -148,7 +166,28 @@ class BucketReceiver:
         self, transfer: _Transfer, *, check: bool
     ) -> tuple[BucketHeader, torch.Tensor, list[torch.Tensor]]:
         """Receive the next bucket: its header, packed payload and direct entries (already in their destinations).
-        The next bucket's control message is posted before anything is checked, so a failed check can still drain."""
+        The receives of the bucket after it are posted before this one's data is waited for, so the sender never
+        waits for this side between buckets; the control message after that is posted too, so a failed check can
+        still drain."""
+        posted = transfer.ahead or self._post_bucket(transfer, check)
+        transfer.ahead = None
+        if not transfer.finished:
+            transfer.ahead = self._post_bucket(transfer, check)
+        bucket, payload, direct = posted.bucket, posted.payload, posted.direct
+        what = f"version {transfer.header.version}: bucket {bucket.index}"
+        for work in posted.works:
+            self.channel.wait(work, what)
+        if check:
+            if bucket.abort is not None:
+                raise TransferError(f"version {transfer.header.version}: the sender aborted: {bucket.abort}")
+            if transfer.header.verify and bucket.checksums != [checksum(payload), *(checksum(p) for p in direct)]:
+                raise TransferError(f"{what} is corrupted (checksum)")
+            self._check_entries(transfer, bucket)
+        return bucket, payload, direct
+
+    def _post_bucket(self, transfer: _Transfer, check: bool) -> _Posted:
+        """Wait for the next bucket's control message, check its header, post the receives of its payload and
+        direct entries, then post the following control message."""
         version, index, bucket_bytes = transfer.header.version, transfer.next_index, transfer.header.bucket_bytes
         if transfer.pending is None:
             self._post_control(transfer)
@@ -173,7 +212,7 @@ class BucketReceiver:
         except ProtocolError:
             transfer.finished = True  # the stream cannot be followed any further
             raise
-        payload = self._payload(payload_bytes)
+        payload = self._payload(payload_bytes, index)
         works = [self.channel.broadcast(payload)] if payload_bytes else []
         direct = [self._landing(transfer, entry, check) for entry in bucket.direct]
         works += [self.channel.broadcast(part) for part in direct if part.numel()]
@@ -181,20 +220,12 @@ class BucketReceiver:
         transfer.next_index += 1
         if not transfer.finished:
             self._post_control(transfer)
-        for work in works:
-            self.channel.wait(work, what)
-        if check:
-            if bucket.abort is not None:
-                raise TransferError(f"version {version}: the sender aborted: {bucket.abort}")
-            if transfer.header.verify and bucket.checksums != [checksum(payload), *(checksum(p) for p in direct)]:
-                raise TransferError(f"version {version}: bucket {index} is corrupted (checksum)")
-            self._check_entries(transfer, bucket)
-        return bucket, payload, direct
+        return _Posted(bucket, payload, direct, works)
 
     def _landing(self, transfer: _Transfer, entry: Entry, check: bool) -> torch.Tensor:
         """Where a direct entry's bytes are received: the consumer's destination, or a tensor being assembled."""
         if not check:  # draining: the bytes are thrown away
-            return self._payload(entry.length)
+            return self._payload(entry.length, transfer.next_index)
         if transfer.destination is not None:
             landed = transfer.destination(entry)
             if landed is not None:
@@ -229,7 +260,7 @@ class BucketReceiver:
         the consumer's destination (tensor None)."""
         done = False
         try:
-            while not transfer.finished:
+            while not transfer.exhausted:
                 bucket, payload, _ = self._next_bucket(transfer, check=True)
                 for entry in bucket.entries:
                     if entry.direct:
@@ -277,7 +308,7 @@ class BucketReceiver:
         """The consumer stopped or failed mid-transfer: receive the rest so the sender is not left hanging, and
         report failure to every rank. Errors of a broken connection are left to the caller's exception."""
         try:
-            while not transfer.finished:
+            while not transfer.exhausted:
                 self._next_bucket(transfer, check=False)
             self.channel.agree_failed(True, f"version {transfer.header.version}: status")
         except TransferError:

@@ -70,17 +70,13 @@ def share_buckets(
     manifest: Sequence[TensorSpec | tuple] | None = None,
 ) -> Iterator[SharedBucket]:
     """Yield the tensors as shared buckets of at most `bucket_bytes` each (a tensor larger than that is a bucket of
-    its own), the last one marked `last` — also for an empty input. Tensors are checked against `manifest` when
-    given (`TensorSpec`s or `(name, shape, dtype)` tuples), like `BucketSender.send`; the buffer lives on `device`."""
-    if bucket_bytes < align(direct_bytes):
-        raise ValueError(f"bucket_bytes must be at least direct_bytes rounded up to 64 ({align(direct_bytes)}), "
-                         f"got {bucket_bytes}")  # fmt: skip
+    its own), the last one marked `last` — also for an empty input. Tensors of at least `direct_bytes` (at most
+    `bucket_bytes`) are shared from their own memory. Tensors are checked against `manifest` when given
+    (`TensorSpec`s or `(name, shape, dtype)` tuples), like `BucketSender.send`, as they come: errors surface while
+    iterating (inside `BucketMailbox.post`, which then tells the consumers). The buffer lives on `device`."""
+    device = torch.device(device)
     specs = [TensorSpec.coerce(spec) for spec in manifest] if manifest is not None else None
-    return _buckets(named_tensors, version, torch.device(device), bucket_bytes, direct_bytes, specs)
-
-
-def _buckets(named_tensors: NamedTensors, version: int, device: torch.device, bucket_bytes: int, direct_bytes: int,
-             specs: list[TensorSpec] | None) -> Iterator[SharedBucket]:  # fmt: skip
+    direct_bytes = min(direct_bytes, bucket_bytes)
     buffer: torch.Tensor | None = None  # allocated on first use, then reused
     index, packed, direct, used, direct_total, count = 0, [], [], 0, 0, 0
     shared: list[torch.Tensor] = []  # the tensors shared from their own memory: alive until their bucket is read
