@@ -139,9 +139,9 @@ def open_bucket(bucket: SharedBucket) -> list[tuple[str, torch.Tensor]]:
 
 class BucketMailbox:
     """Hands shared buckets from a producer (rank 0, which hosts the TCP store on `host:port`) to `consumers`
-    processes (ranks 1..consumers), transfer after transfer (each bucket pickled: its handles are plain data).
-    Every wait is bounded by `timeout`: a consumer that dies or stalls
-    makes `post` raise, a producer that dies or aborts makes `receive` raise; neither hangs."""
+    processes (ranks 1..consumers), transfer after transfer (each bucket pickled: its handles are plain data). Every
+    wait is bounded by `timeout`: a consumer that dies or stalls makes `post` raise, a producer that dies or aborts
+    makes `receive` raise; neither hangs."""
 
     def __init__(self, host: str, port: int, *, rank: int, consumers: int, timeout: float = 300.0):
         if consumers < 1:
@@ -161,18 +161,20 @@ class BucketMailbox:
         if self.rank != 0:
             raise ValueError(f"post runs on the producer (rank 0), this is rank {self.rank}")
         prefix, self.transfers = f"t{self.transfers}/", self.transfers + 1
-        tensors = nbytes = index = 0
+        tensors = nbytes = done = 0
         try:
-            for index, bucket in enumerate(buckets):
-                self.store.set(f"{prefix}bucket/{index}", pickle.dumps(("bucket", bucket)))
-                self._wait_done(prefix, index)
+            for bucket in buckets:
+                self.store.set(f"{prefix}bucket/{done}", pickle.dumps(("bucket", bucket)))
+                self._wait_done(prefix, done)
                 tensors += len(bucket.packed) + len(bucket.direct)
                 nbytes += bucket.nbytes
-            return tensors, nbytes, index + 1
+                done += 1
+            return tensors, nbytes, done
         except BaseException as error:
-            notice = ("abort", f"{type(error).__name__}: {error}")
-            self.store.set(f"{prefix}bucket/{index + 1}", pickle.dumps(notice))
-            self.store.set(f"{prefix}bucket/{index}", pickle.dumps(notice))  # unless it was posted already
+            notice = pickle.dumps(("abort", f"{type(error).__name__}: {error}"))
+            with contextlib.suppress(dist.DistError):  # consumers wait for bucket `done`, or (if they took it) the next
+                self.store.set(f"{prefix}bucket/{done}", notice)
+                self.store.set(f"{prefix}bucket/{done + 1}", notice)
             raise
 
     def _wait_done(self, prefix: str, index: int) -> None:
@@ -195,10 +197,15 @@ class BucketMailbox:
             raise ValueError("receive runs on a consumer (rank >= 1), this is the producer")
         device = torch.device(device)
         prefix, self.transfers = f"t{self.transfers}/", self.transfers + 1
-        index, complete = 0, False
+        index, version, complete = 0, None, False
         try:
             while True:
                 bucket = self._take(prefix, index)
+                if bucket.index != index or (index and bucket.version != version):
+                    raise ProtocolError(
+                        f"expected bucket {index} of one version, got {bucket.index} of {bucket.version}"
+                    )
+                version = bucket.version
                 owned = [(name, tensor.to(device, copy=True)) for name, tensor in open_bucket(bucket)]
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()  # copied out: the producer may reuse its memory
@@ -206,7 +213,7 @@ class BucketMailbox:
                 index += 1
                 yield from owned
                 if bucket.last:
-                    self.version, complete = bucket.version, True
+                    self.version, complete = version, True
                     return
         finally:
             if not complete:  # the producer waits for this answer to the next bucket: say this consumer stopped
