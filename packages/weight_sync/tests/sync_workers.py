@@ -120,6 +120,32 @@ def send_corrupted(group, rank):
     sender.send(mixed_tensors(), version=1)
 
 
+def send_lying_manifest(group, rank):
+    """Fault injection: the transfer header announces "big" with another shape (same bytes) than its buckets carry."""
+    sender = BucketSender(group, bucket_bytes=SMALL_BUCKET, direct_bytes=SMALL_BUCKET // 8)
+    broadcast_bytes = sender.channel.broadcast_bytes
+
+    def lie(raw, what):
+        header = TransferHeader.decode(raw)
+        header.manifest = [spec._replace(shape=(200, 200)) if spec.name == "big" else spec for spec in header.manifest]
+        return broadcast_bytes(header.encode(), what)
+
+    sender.channel.broadcast_bytes = lie
+    sender.send(mixed_tensors(), version=1)
+
+
+def load_lied_to(group, rank):
+    """Load into a module shaped like the announced manifest: nothing of "big" may land in it."""
+    tensors = {name: (t.reshape(200, 200) if name == "big" else t) for name, t in mixed_tensors().items()}
+    holder = Holder(tensors)
+    try:
+        BucketReceiver(group, timeout=10).load_into(holder)
+    except Exception as e:
+        big = holder.state_dict()["big"]
+        return {"error": type(e).__name__, "message": str(e), "big_untouched": bool((big == 0).all())}
+    return {"error": None}
+
+
 def send_other_protocol(group, rank):
     sender = BucketSender(group)
     sender.channel.broadcast_bytes(TransferHeader(1, "weights", 1 << 20, False, [], protocol=99).encode(), "header")

@@ -120,6 +120,16 @@ def test_checksums_catch_a_corrupted_bucket():
     assert out[0][0] == "error"  # and the sender learns that the receiver failed
 
 
+def test_a_bucket_that_contradicts_the_manifest_is_refused_before_its_bytes_land():
+    out = run_group([w.send_lying_manifest, w.load_lied_to], deadline=30)
+    got = ok(out, 1)
+    assert got["error"] == "PartialLoadError"
+    assert "'big'" in got["message"]
+    assert "is not in the manifest as sent" in got["message"]
+    assert got["big_untouched"]
+    assert out[0][0] == "error"  # and the sender learns that the receiver failed
+
+
 def test_protocol_version_mismatch_is_refused():
     out = run_group([w.send_other_protocol, w.expect_error])
     got = ok(out, 1)

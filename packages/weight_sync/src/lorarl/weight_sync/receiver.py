@@ -49,6 +49,7 @@ class _Posted:
     payload: torch.Tensor
     direct: list[torch.Tensor]
     works: list[dist.Work]
+    error: ProtocolError | None  # its entries do not match the manifest: received into scratch, to be raised
 
 
 @dataclass
@@ -178,6 +179,8 @@ class BucketReceiver:
         for work in posted.works:
             self.channel.wait(work, what)
         if check:
+            if posted.error is not None:
+                raise posted.error
             if bucket.abort is not None:
                 raise TransferError(f"version {transfer.header.version}: the sender aborted: {bucket.abort}")
             if transfer.header.verify and bucket.checksums != [checksum(payload), *(checksum(p) for p in direct)]:
@@ -212,15 +215,19 @@ class BucketReceiver:
         except ProtocolError:
             transfer.finished = True  # the stream cannot be followed any further
             raise
+        error = None
+        for entry in bucket.entries:  # checked before any of its bytes land in a destination
+            if transfer.manifest_index and transfer.manifest_index.get(entry.spec.name) != entry.spec:
+                error = ProtocolError(f"{what}: {entry.spec.name!r} ({entry.spec}) is not in the manifest as sent")
         payload = self._payload(payload_bytes, index)
         works = [self.channel.broadcast(payload)] if payload_bytes else []
-        direct = [self._landing(transfer, entry, check) for entry in bucket.direct]
+        direct = [self._landing(transfer, entry, check and error is None) for entry in bucket.direct]
         works += [self.channel.broadcast(part) for part in direct if part.numel()]
         transfer.finished = bucket.last or bucket.abort is not None
         transfer.next_index += 1
         if not transfer.finished:
             self._post_control(transfer)
-        return _Posted(bucket, payload, direct, works)
+        return _Posted(bucket, payload, direct, works, error)
 
     def _landing(self, transfer: _Transfer, entry: Entry, check: bool) -> torch.Tensor:
         """Where a direct entry's bytes are received: the consumer's destination, or a tensor being assembled."""
@@ -243,8 +250,6 @@ class BucketReceiver:
         version = transfer.header.version
         for entry in bucket.entries:
             spec = entry.spec
-            if transfer.manifest_index and transfer.manifest_index.get(spec.name) != spec:
-                raise ProtocolError(f"version {version}: {spec.name!r} ({spec}) is not in the manifest as sent")
             if transfer.split is not None:
                 expected, next_byte = transfer.split
                 if spec != expected or entry.start != next_byte:
