@@ -143,6 +143,7 @@ def colocated_engine(port: int, rank: int):
             call()
         except (RuntimeError, EngineError) as e:
             errors.append(f"{type(e).__name__}: {e}")
+    engine.close()
     return (
         (stats.version, stats.tensors, stats.bytes, stats.buckets),
         engine.version,

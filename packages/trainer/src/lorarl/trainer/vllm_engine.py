@@ -235,6 +235,8 @@ class ColocatedVllmEngine:
         raise NotImplementedError("vLLM holds its weights fused: no checksum comparable to the trainer's")
 
     def close(self) -> None:
+        if self.rpc is not None:
+            self.rpc.shutdown(wait=False)
         del self.llm
 
 
