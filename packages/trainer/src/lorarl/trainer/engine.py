@@ -53,6 +53,20 @@ class EngineError(TrainerError):
     """The rollout engine failed (its own traceback is in the message) or died."""
 
 
+def agreed(values: list, what: str):
+    """The one value that every worker of an engine (or every replica) reports as `what`."""
+    if len(set(values)) != 1:
+        raise EngineError(f"the rollout workers disagree on their {what}: {values}")
+    return values[0]
+
+
+def expect_version(reported: int, version: int, what: str) -> int:
+    """The version an engine reports after `what`, which must be the version sent."""
+    if reported != version:
+        raise EngineError(f"the engine reports version {reported} after {what} of version {version}")
+    return reported
+
+
 def hf_settings(model_path: Path | str, *, dtype: torch.dtype, device: str, eos_token_id: int, pad_token_id: int,
                 batch_size: int, timeout: float = 600.0) -> dict:  # fmt: skip
     """What an HF rollout worker needs to build its model and generate (plain data: it crosses process bounds)."""
@@ -93,19 +107,20 @@ class ProcessEngine:
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
     ) -> SyncStats:
-        self._conn.send(("receive", ()))
-        stats = self.sender.send(named_tensors, version=version, manifest=manifest)
-        self.version = self._reply("receive")
-        if self.version != version:
-            raise EngineError(f"the engine reports weights version {self.version} after receiving {version}")
-        return stats
+        return self._sync(
+            "receive", lambda: self.sender.send(named_tensors, version=version, manifest=manifest), version
+        )
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        self._conn.send(("receive_adapter", ()))
-        stats = self.sender.send_adapter(tensors, config, version=version)
-        self.version = self._reply("receive_adapter")
-        if self.version != version:
-            raise EngineError(f"the engine reports adapter version {self.version} after receiving {version}")
+        return self._sync(
+            "receive_adapter", lambda: self.sender.send_adapter(tensors, config, version=version), version
+        )
+
+    def _sync(self, command: str, send, version: int) -> SyncStats:
+        """The worker starts `command` (its end of the transfer), this side sends; then the worker's version."""
+        self._conn.send((command, ()))
+        stats = send()
+        self.version = expect_version(self._reply(command), version, command)
         return stats
 
     def weights_checksum(self) -> str:

@@ -366,9 +366,9 @@ class Trainer:
 
         if self.dp is None:
             return split(indices)
-        mine = split(self.dp.rows(indices))
-        most = max(len(split(self.dp.rows(indices, rank))) for rank in range(self.dp.world))
-        return mine + [None] * (most - len(mine))
+        shares = [split(self.dp.rows(indices, rank)) for rank in range(self.dp.world)]
+        mine = shares[self.dp.rank]
+        return mine + [None] * (max(map(len, shares)) - len(mine))
 
     def _logprobs_all(self, batch: "Batch", reference: bool = False) -> torch.Tensor | None:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""

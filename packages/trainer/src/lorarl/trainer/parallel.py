@@ -26,9 +26,9 @@ class DataParallel:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def rows(self, indices: list[int], rank: int | None = None) -> list[int]:
-        """This rank's share of `indices` (strided, so lengths stay balanced)."""
-        return indices[(self.rank if rank is None else rank) :: self.world]
+    def rows(self, indices: list[int], rank: int) -> list[int]:
+        """Rank `rank`'s share of `indices` (strided, so lengths stay balanced)."""
+        return indices[rank :: self.world]
 
     def broadcast(self, value):
         """Rank 0's `value`, on every rank."""

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engine import Completion, EngineError, sync_sender, worker_class
+from lorarl.trainer.engine import Completion, EngineError, agreed, expect_version, sync_sender, worker_class
 from lorarl.weight_sync import SyncStats, TensorSpec, create_sync_group, free_port
 
 # Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
@@ -53,7 +53,7 @@ class RayEngines:
         joined = [actor.join.remote(host, port, world, 1 + i * ranks) for i, actor in enumerate(self.actors)]
         group = create_sync_group(host, port, world, 0, backend=settings["sync_backend"], timeout=self.timeout)
         self.sender = sync_sender(group, settings, bucket_bytes)
-        self.version = self._same(self._get(joined, "start"), "weights version")
+        self.version = agreed(self._get(joined, "start"), "weights version")
 
     def generate(
         self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
@@ -85,13 +85,10 @@ class RayEngines:
 
     def _received(self, futures, what: str, version: int) -> int:
         """The version every replica reports after `what`, which must be the one sent."""
-        reported = self._same(self._get(futures, what), f"version after {what}")
-        if reported != version:
-            raise EngineError(f"the engines report version {reported} after {what} of version {version}")
-        return reported
+        return expect_version(agreed(self._get(futures, what), f"version after {what}"), version, what)
 
     def weights_checksum(self) -> str:
-        return self._same(self._get([actor.checksum.remote() for actor in self.actors], "checksum"), "weights")
+        return agreed(self._get([actor.checksum.remote() for actor in self.actors], "checksum"), "weights")
 
     def close(self) -> None:
         import ray
@@ -111,9 +108,3 @@ class RayEngines:
             raise EngineError(f"the rollout replicas did not answer {what!r} within {self.timeout:g} s") from None
         except ray.exceptions.RayError as e:
             raise EngineError(f"a rollout replica failed during {what!r}:\n{e}") from None
-
-    @staticmethod
-    def _same(values: list, what: str):
-        if len(set(values)) != 1:
-            raise EngineError(f"the rollout replicas disagree on their {what}: {values}")
-        return values[0]

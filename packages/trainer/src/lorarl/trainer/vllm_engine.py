@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lorarl.trainer.engine import Completion, EngineError
+from lorarl.trainer.engine import Completion, EngineError, agreed
 from lorarl.trainer.models import DTYPES
 from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, TensorSpec, free_port
 from lorarl.weight_sync.shared import BucketMailbox, share_buckets
@@ -108,7 +108,7 @@ class VllmWorker:
         return _generate(self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed)
 
     def receive(self) -> int:
-        self.version = _same(self.llm.collective_rpc("lorarl_receive_weights"))
+        self.version = agreed(self.llm.collective_rpc("lorarl_receive_weights"), "weights version")
         self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
         return self.version
 
@@ -117,7 +117,7 @@ class VllmWorker:
 
         directory = self.settings.setdefault("adapter_dir", tempfile.mkdtemp(prefix="lorarl-adapter-"))
         results = self.llm.collective_rpc("lorarl_receive_adapter", args=(directory,))
-        self.version = _same([version for version, _ in results])
+        self.version = agreed([version for version, _ in results], "adapter version")
         self.lora_request = LoRARequest(f"v{self.version}", self.version + 1, results[0][1])
         return self.version
 
@@ -249,9 +249,3 @@ def _generate(llm, lora_request, version, prompts, n, temperature, top_p, max_to
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                            lora_request=lora_request, use_tqdm=False)  # fmt: skip
     return to_completions(outputs, version)
-
-
-def _same(versions: list[int]) -> int:
-    if len(set(versions)) != 1:
-        raise RuntimeError(f"vLLM workers report different versions: {versions}")
-    return versions[0]
