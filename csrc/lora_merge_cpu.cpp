@@ -1,11 +1,22 @@
-// CPU kernel of lorarl::merge_lora: cache-blocked, OpenMP-parallel (through at::parallel_for), no full-size temporary.
+// CPU kernel of lorarl::merge_lora: out = weight + scale * left @ right with fp32 accumulation and one rounding, no
+// full-size temporary, parallel over blocks of rows (at::parallel_for).
 //
-// Each thread takes blocks of 32 rows of W. Within a block, the `right` factor is walked in 64-column panels (packed
-// contiguously, r x 64 fp32, so a panel stays in L1 while every 4-row micro-tile of the block uses it); a micro-tile
-// accumulates its rank-r product in sixteen fp32 vector registers, adds the W tile and rounds once to the output
-// dtype (round to nearest even). Because a block's rows are 4 KiB-multiples apart, the hardware prefetcher does not
-// follow them: the W and out lines of the next panel are prefetched in software one panel step ahead.
-// Built with -march=native on the machine that runs it, so the vectors map onto that CPU's widest FMA units.
+// Why it is shaped like this (each point measured on a 2-core AVX-512 Xeon, see packages/lora_merge/README.md):
+// - A micro-tile is 6 rows x 64 columns: 24 fp32 accumulators in vector registers (of 32). A step of the rank loop
+//   loads 4 vectors of the right factor and broadcasts 6 values of `left` for 24 FMAs. The loop starts with a
+//   product, so no register is zeroed; the W tile is loaded before any store to out (rows are often 4 KiB multiples
+//   apart, and a load after a store to the same address modulo 4 KiB stalls on a false dependency).
+// - The right factor is packed once per call into 64-column panels ([r][64] contiguous).
+// - A work item is a block of two micro-tiles (12 rows) swept across all panels: both tiles reuse each panel from L1,
+//   and W and out are walked as 12 sequential row streams the hardware prefetcher follows. Taller blocks (panel reuse
+//   from L1) and software prefetch measured slower; single-tile blocks stream the panel from L2 too often.
+// - Outputs of at least kStreamBytes are written with non-temporal stores: lines that are overwritten whole are not
+//   read first (a third of a plain merge's memory traffic), and the caches are not flushed by a tensor that is
+//   handed on, not read back here.
+// - bf16 is rounded by AVX512-BF16's vcvtne2ps2bf16 (nearest even, 32 values per instruction). It flushes fp32
+//   denormals to zero, so a pair of vectors whose result holds a zero is checked for denormals and, if it has any,
+//   rounded by the exact integer path instead.
+// Built with -march=native on the machine that runs it; without AVX-512 the same code runs on narrower vectors.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -18,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -26,11 +37,15 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;              // floats per vector
-constexpr int64_t kRows = 4;                // rows per micro-tile
-constexpr int64_t kVecs = 4;                // vectors per row of a micro-tile
-constexpr int64_t kCols = kLanes * kVecs;   // columns per micro-tile (and per packed panel)
-constexpr int64_t kBlockRows = 32;           // rows per block: a panel is reused by its 8 micro-tiles
+constexpr int64_t kLanes = 16;                  // floats per vector
+constexpr int64_t kVecs = 4;                    // vectors per row of a micro-tile
+constexpr int64_t kCols = kLanes * kVecs;       // columns per micro-tile (and per packed panel)
+constexpr int64_t kRows = 6;                    // rows per micro-tile
+constexpr int64_t kBlockRows = 2 * kRows;       // rows per work item: two micro-tiles share each panel
+constexpr int64_t kStreamBytes = int64_t{4} << 20;  // outputs at least this large bypass the caches
+
+// Fully unrolled small loops keep a micro-tile in registers (the compiler would otherwise keep it on the stack).
+#define LORARL_UNROLL _Pragma("GCC unroll 16")
 
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint32_t vuint32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -42,6 +57,24 @@ inline vfloat load_floats(const float* p) {
   return v;
 }
 
+// Writes the bytes of `v` to p, non-temporally when kStream (p then 64-byte aligned for 64-byte vectors, 32 for 32).
+template <bool kStream, typename V>
+inline void put(void* p, const V& v) {
+#if defined(__AVX512F__)
+  if constexpr (kStream && sizeof(V) == 64) {
+    __m512i x;
+    std::memcpy(&x, &v, sizeof x);
+    return _mm512_stream_si512(static_cast<__m512i*>(p), x);
+  } else if constexpr (kStream && sizeof(V) == 32) {
+    __m256i x;
+    std::memcpy(&x, &v, sizeof x);
+    return _mm256_stream_si256(static_cast<__m256i*>(p), x);
+  }
+#endif
+  static_assert(!kStream || sizeof(V) == 64 || sizeof(V) == 32, "streaming needs 32- or 64-byte vectors");
+  std::memcpy(p, &v, sizeof v);
+}
+
 // Vector load (widen to fp32) and store (one rounding) of each storage dtype.
 template <typename T>
 struct Vec;
@@ -49,7 +82,10 @@ struct Vec;
 template <>
 struct Vec<float> {
   static vfloat load(const float* p) { return load_floats(p); }
-  static void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+  template <bool kStream>
+  static void store(float* p, vfloat v) {
+    put<kStream>(p, v);
+  }
 };
 
 template <>
@@ -62,27 +98,15 @@ struct Vec<c10::BFloat16> {
     std::memcpy(&f, &bits, sizeof f);
     return f;
   }
+  // Exact for every input, denormals included: round to nearest even on the bits, NaN kept quiet.
+  template <bool kStream>
   static void store(c10::BFloat16* p, vfloat f) {
-#if defined(__AVX512BF16__)
-    // vcvtneps2bf16 rounds to nearest even in one instruction, but treats fp32 denormal inputs as zero: only vectors
-    // holding a denormal take the exact integer path below.
-    if (kLanes == 16) {
-      __m512 v;
-      std::memcpy(&v, &f, sizeof v);
-      if (_mm512_fpclass_ps_mask(v, 0x20) == 0) {
-        __m256bh h = _mm512_cvtneps_pbh(v);
-        std::memcpy(p, &h, sizeof h);
-        return;
-      }
-    }
-#endif
     vuint32 u;
     std::memcpy(&u, &f, sizeof u);
-    vuint32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+    vuint32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     vuint32 quiet_nan = (u >> 16) | 0x40u;
     vuint32 bits = ((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded;
-    vuint16 h = __builtin_convertvector(bits, vuint16);
-    std::memcpy(p, &h, sizeof h);
+    put<kStream>(p, __builtin_convertvector(bits, vuint16));
   }
 };
 
@@ -95,9 +119,9 @@ struct Vec<c10::Half> {
     std::memcpy(&h, p, sizeof h);
     return __builtin_convertvector(h, vfloat);
   }
+  template <bool kStream>
   static void store(c10::Half* p, vfloat f) {
-    vhalf h = __builtin_convertvector(f, vhalf);
-    std::memcpy(p, &h, sizeof h);
+    put<kStream>(p, __builtin_convertvector(f, vhalf));
   }
 };
 #else
@@ -108,41 +132,67 @@ struct Vec<c10::Half> {  // no native _Float16: convert lane by lane with c10's 
     for (int64_t l = 0; l < kLanes; ++l) f[l] = static_cast<float>(p[l]);
     return f;
   }
+  template <bool kStream>
   static void store(c10::Half* p, vfloat f) {
     for (int64_t l = 0; l < kLanes; ++l) p[l] = c10::Half(f[l]);
   }
 };
 #endif
 
-// One 4 x 64 micro-tile: acc = left[4, r] @ panel[r, 64] in sixteen vector registers, then out = w + scale * acc,
-// rounded once. Prefetches the same rows' lines of the next panel (`next_panel` columns ahead; 0 = none).
-template <typename TW, typename TO>
-inline void merge_micro_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r, const float* panel,
-                             float scale, int64_t next_panel) {
-  if (next_panel) {
-    for (int64_t i = 0; i < kRows; ++i) {
-      for (int64_t c = 0; c < kCols; c += 64 / sizeof(TW)) __builtin_prefetch(w + i * ld + next_panel + c, 0, 3);
-      for (int64_t c = 0; c < kCols; c += 64 / sizeof(TO)) __builtin_prefetch(out + i * ld + next_panel + c, 1, 3);
-    }
+// Rounds two adjacent vectors (32 columns) to TO and stores them.
+template <bool kStream, typename TO>
+inline void store_pair(TO* p, vfloat lo, vfloat hi) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<TO, c10::BFloat16> && kLanes == 16) {
+    __m512 a, b;
+    std::memcpy(&a, &lo, sizeof a);
+    std::memcpy(&b, &hi, sizeof b);
+    const __m512i bits = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+    const bool any_zero = _mm512_testn_epi16_mask(bits, _mm512_set1_epi16(0x7fff)) != 0;
+    const bool flushed = any_zero && (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) != 0;
+    if (__builtin_expect(!flushed, 1)) return put<kStream>(p, bits);
   }
-  vfloat acc[kRows][kVecs] = {};
-  for (int64_t k = 0; k < r; ++k) {
+#endif
+  Vec<TO>::template store<kStream>(p, lo);
+  Vec<TO>::template store<kStream>(p + kLanes, hi);
+}
+
+// One R x 64 micro-tile: acc = left[R, r] @ panel[r, 64] in vector registers, then out = w + scale * acc rounded once.
+template <int64_t R, bool kStream, typename TW, typename TO>
+inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r, const float* panel,
+                       float scale) {
+  vfloat acc[R][kVecs];
+  {
     vfloat b[kVecs];
+    LORARL_UNROLL
+    for (int64_t v = 0; v < kVecs; ++v) b[v] = load_floats(panel + v * kLanes);
+    LORARL_UNROLL
+    for (int64_t i = 0; i < R; ++i)
+      LORARL_UNROLL
+      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] = left[i * r] * b[v];
+  }
+  for (int64_t k = 1; k < r; ++k) {
+    vfloat b[kVecs];
+    LORARL_UNROLL
     for (int64_t v = 0; v < kVecs; ++v) b[v] = load_floats(panel + k * kCols + v * kLanes);
-    for (int64_t i = 0; i < kRows; ++i) {
+    LORARL_UNROLL
+    for (int64_t i = 0; i < R; ++i) {
       const float a = left[i * r + k];
+      LORARL_UNROLL
       for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += a * b[v];
     }
   }
-  // All loads of W before any store to out: rows are a multiple of 4 KiB apart, and a load right after a store to the
-  // same address modulo 4 KiB stalls on a false dependency (4K aliasing) -- that alone halved the speed.
-  for (int64_t i = 0; i < kRows; ++i)
+  LORARL_UNROLL
+  for (int64_t i = 0; i < R; ++i)
+    LORARL_UNROLL
     for (int64_t v = 0; v < kVecs; ++v) acc[i][v] = Vec<TW>::load(w + i * ld + v * kLanes) + scale * acc[i][v];
-  for (int64_t i = 0; i < kRows; ++i)
-    for (int64_t v = 0; v < kVecs; ++v) Vec<TO>::store(out + i * ld + v * kLanes, acc[i][v]);
+  LORARL_UNROLL
+  for (int64_t i = 0; i < R; ++i)
+    LORARL_UNROLL
+    for (int64_t v = 0; v < kVecs; v += 2) store_pair<kStream>(out + i * ld + v * kLanes, acc[i][v], acc[i][v + 1]);
 }
 
-// Rows [row0, row1) x columns [col0, col1), one element at a time: the edges that do not fill a micro-tile.
+// Rows [row0, row1) x columns [col0, col1), one element at a time: columns that do not fill a panel.
 template <typename TW, typename TO>
 void merge_edge(const TW* w, TO* out, int64_t n, const float* left, const float* right, int64_t r, float scale,
                 int64_t row0, int64_t row1, int64_t col0, int64_t col1) {
@@ -155,7 +205,21 @@ void merge_edge(const TW* w, TO* out, int64_t n, const float* left, const float*
   }
 }
 
-template <typename TW, typename TO>
+// Calls fn with std::integral_constant<int64_t, rows> for rows in 1..kRows (the row count of a micro-tile).
+template <typename Fn>
+inline void with_tile_rows(int64_t rows, Fn&& fn) {
+  static_assert(kRows == 6, "one case per possible row count");
+  switch (rows) {
+    case 6: return fn(std::integral_constant<int64_t, 6>{});
+    case 5: return fn(std::integral_constant<int64_t, 5>{});
+    case 4: return fn(std::integral_constant<int64_t, 4>{});
+    case 3: return fn(std::integral_constant<int64_t, 3>{});
+    case 2: return fn(std::integral_constant<int64_t, 2>{});
+    default: return fn(std::integral_constant<int64_t, 1>{});
+  }
+}
+
+template <bool kStream, typename TW, typename TO>
 void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, const float* right, int64_t r,
                float scale) {
   const int64_t panels = n / kCols;
@@ -167,23 +231,35 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
       for (int64_t k = 0; k < r; ++k)
         std::memcpy(&packed[(p * r + k) * kCols], right + k * n + p * kCols, kCols * sizeof(float));
   });
-  const int64_t row_tiles = m / kRows;
-  const int64_t tiles_per_block = kBlockRows / kRows;
-  const int64_t blocks = (row_tiles + tiles_per_block - 1) / tiles_per_block;
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t tile0 = b * tiles_per_block, tile1 = std::min(row_tiles, tile0 + tiles_per_block);
+      const int64_t row0 = b * kBlockRows, row1 = std::min(m, row0 + kBlockRows);
       for (int64_t p = 0; p < panels; ++p) {
-        const int64_t next_panel = p + 1 < panels ? kCols : 0;
-        for (int64_t t = tile0; t < tile1; ++t) {
-          const int64_t row = t * kRows, at = row * n + p * kCols;
-          merge_micro_tile(w + at, out + at, n, left + row * r, r, &packed[p * r * kCols], scale, next_panel);
+        for (int64_t row = row0; row < row1; row += kRows) {
+          with_tile_rows(std::min(kRows, row1 - row), [&](auto rows) {
+            const int64_t at = row * n + p * kCols;
+            merge_tile<decltype(rows)::value, kStream>(w + at, out + at, n, left + row * r, r, &packed[p * r * kCols], scale);
+          });
         }
       }
-      merge_edge(w, out, n, left, right, r, scale, tile0 * kRows, tile1 * kRows, full_cols, n);
+      merge_edge(w, out, n, left, right, r, scale, row0, row1, full_cols, n);
     }
+#if defined(__AVX512F__)
+    if constexpr (kStream) _mm_sfence();  // non-temporal stores drained before the join publishes out
+#endif
   });
-  merge_edge(w, out, n, left, right, r, scale, row_tiles * kRows, m, 0, n);
+}
+
+// Non-temporal stores pay off for outputs larger than the caches, and need every vector store aligned to its size.
+bool stream_output(const at::Tensor& out) {
+#if defined(__AVX512F__)
+  const int64_t row_bytes = out.size(1) * out.element_size();
+  return out.nbytes() >= static_cast<size_t>(kStreamBytes) && row_bytes % 64 == 0 &&
+         reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 64 == 0;
+#else
+  return false;
+#endif
 }
 
 // Calls fn with a null pointer of the C++ type of `dtype` (float32, bfloat16 or float16).
@@ -204,15 +280,21 @@ void with_storage_type(at::ScalarType dtype, const char* name, Fn&& fn) {
 void merge_lora_cpu(const at::Tensor& weight, const at::Tensor& left, const at::Tensor& right, double scale,
                     const at::Tensor& out) {
   lorarl::check_merge_args(weight, left, right, out);
+  if (left.size(1) == 0) {  // rank 0: the weight, rounded once to out's dtype
+    out.copy_(weight);
+    return;
+  }
   const at::Tensor left_f = left.to(at::kFloat).contiguous();
   const at::Tensor right_f = right.to(at::kFloat).contiguous();
+  const bool stream = stream_output(out);
   with_storage_type(weight.scalar_type(), "weight", [&](auto* tw) {
     with_storage_type(out.scalar_type(), "out", [&](auto* to) {
       using TW = std::remove_pointer_t<decltype(tw)>;
       using TO = std::remove_pointer_t<decltype(to)>;
-      merge_cpu(static_cast<const TW*>(weight.const_data_ptr()), static_cast<TO*>(out.mutable_data_ptr()),
-                weight.size(0), weight.size(1), left_f.const_data_ptr<float>(), right_f.const_data_ptr<float>(),
-                left.size(1), static_cast<float>(scale));
+      const auto run = stream ? merge_cpu<true, TW, TO> : merge_cpu<false, TW, TO>;
+      run(static_cast<const TW*>(weight.const_data_ptr()), static_cast<TO*>(out.mutable_data_ptr()), weight.size(0),
+          weight.size(1), left_f.const_data_ptr<float>(), right_f.const_data_ptr<float>(), left.size(1),
+          static_cast<float>(scale));
     });
   });
 }

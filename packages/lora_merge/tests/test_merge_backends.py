@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from merge_reference import assert_merged_close
+from merge_reference import assert_merged_close, merged_float64
 
 from lorarl.lora_merge import available_backends, merge_lora, merge_lora_
 
@@ -91,12 +91,44 @@ def test_rank_zero_and_zero_scale_copy_the_weight(backend):
     assert torch.equal(merge_lora(weight, lora_A, lora_B, 0.0, backend=backend), weight)
 
 
-def test_cpp_op_keeps_special_values():
-    values = torch.tensor([1e-39, -3e-39, float("nan"), float("inf"), -float("inf"), 3.0e38, -0.0, 0.0] * 24)
-    weight = values.view(8, 24).bfloat16()
-    got = merge_lora(weight, torch.zeros(1, 24), torch.zeros(8, 1), 1.0, backend="cpp")
+@pytest.mark.parametrize("shape", [(8, 24), (12, 128)])  # scalar edge columns; whole vector micro-tiles
+def test_cpp_op_keeps_special_values(shape):
+    values = torch.tensor([1e-39, -3e-39, float("nan"), float("inf"), -float("inf"), 3.0e38, -0.0, 0.0])
+    weight = values.repeat(shape[0] * shape[1] // 8).view(shape).bfloat16()
+    got = merge_lora(weight, torch.zeros(1, shape[1]), torch.zeros(shape[0], 1), 1.0, backend="cpp")
     assert torch.equal(got.isnan(), weight.isnan())
     assert torch.equal(got[~got.isnan()], weight[~weight.isnan()])  # denormals, infinities and -0 survive exactly
+
+
+def test_cpp_op_rounds_denormal_results_exactly():
+    """W normal, W + s·BA denormal: the AVX512-BF16 rounding would flush it to zero; the op must not."""
+    weight = torch.full((12, 128), 2.0**-120).bfloat16()
+    lora_A = torch.ones(1, 128)
+    lora_B = torch.full((12, 1), -(2.0**-120 - 2.0**-130))
+    lora_B[::2] = 1.0  # half the rows stay normal, so pairs with and without denormals meet in one micro-tile
+    got = merge_lora(weight, lora_A, lora_B, 1.0, backend="cpp")
+    expected = merged_float64(weight, lora_A, lora_B, 1.0).to(torch.bfloat16)
+    assert torch.equal(got, expected)
+    assert (got[1::2] == 2.0**-130).all()
+
+
+def test_cpp_op_with_rank_zero_copies_the_weight():
+    weight = torch.randn(9, 33, generator=torch.Generator().manual_seed(8))
+    out = torch.empty(9, 33, dtype=torch.bfloat16)
+    torch.ops.lorarl.merge_lora(weight, torch.zeros(9, 0), torch.zeros(0, 33), 1.0, out)
+    assert torch.equal(out, weight.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpp_op_large_outputs_written_around_the_caches(dtype):
+    """Outputs of 4 MiB and more are written with non-temporal stores: same values, every element written."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(1030, 2048 if dtype == torch.bfloat16 else 1024, generator=generator).to(dtype)
+    lora_A, lora_B = factors(weight.shape, 8)
+    out = torch.full_like(weight, float("nan"))
+    assert out.nbytes >= 4 << 20
+    merge_lora(weight, lora_A, lora_B, 0.75, out=out, backend="cpp")
+    assert_merged_close(out, weight, lora_A, lora_B, 0.75)
 
 
 def test_backends_agree_bitwise_on_bf16_where_rounding_is_unambiguous():

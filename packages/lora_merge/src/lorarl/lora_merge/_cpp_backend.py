@@ -34,7 +34,7 @@ def load_op(with_cuda: bool) -> None:
         pass
     src = sources_dir()
     names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
-    cpu_flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+    cpu_flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp"]
     cpp_extension.load(
         name="lorarl_lora_merge_cuda" if with_cuda else "lorarl_lora_merge_cpu",
         sources=[str(src / name) for name in names],
