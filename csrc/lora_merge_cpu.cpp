@@ -8,8 +8,9 @@
 //   apart, and a load after a store to the same address modulo 4 KiB stalls on a false dependency).
 // - The right factor is packed once per call into 64-column panels ([r][64] contiguous).
 // - A work item is a block of two micro-tiles (12 rows) swept across all panels: both tiles reuse each panel from L1,
-//   and W and out are walked as 12 sequential row streams the hardware prefetcher follows. Taller blocks (panel reuse
-//   from L1) and software prefetch measured slower; single-tile blocks stream the panel from L2 too often.
+//   and W and out are walked as 12 sequential row streams the hardware prefetcher follows, helped by a software
+//   prefetch of the W lines one panel ahead. Taller blocks (more streams than the prefetcher tracks) measured slower,
+//   and single-tile blocks stream each panel from L2 twice as often.
 // - Outputs of at least kStreamBytes are written with non-temporal stores: lines that are overwritten whole are not
 //   read first (a third of a plain merge's memory traffic), and the caches are not flushed by a tensor that is
 //   handed on, not read back here.
@@ -161,6 +162,11 @@ inline void store_pair(TO* p, vfloat lo, vfloat hi) {
 template <int64_t R, bool kStream, typename TW, typename TO>
 inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r, const float* panel,
                        float scale) {
+  // The W lines of the next panel (prefetches never fault: past a row's end they fetch the next row's start).
+  LORARL_UNROLL
+  for (int64_t i = 0; i < R; ++i)
+    LORARL_UNROLL
+    for (int64_t c = 0; c < kCols; c += 64 / sizeof(TW)) __builtin_prefetch(w + i * ld + kCols + c, 0, 3);
   vfloat acc[R][kVecs];
   {
     vfloat b[kVecs];
