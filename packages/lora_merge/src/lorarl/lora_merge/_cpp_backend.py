@@ -34,9 +34,13 @@ def load_op(with_cuda: bool) -> None:
         pass
     src = sources_dir()
     names = CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())
-    cpu_flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp"]
+    # The CPU the op runs on, unless LORARL_MERGE_MARCH names another target (e.g. x86-64-v3: AVX2, no AVX-512) to
+    # build a portable op or test the kernel's path for narrower vectors; each target gets its own build.
+    march = os.environ.get("LORARL_MERGE_MARCH", "native")
+    cpu_flags = ["-O3", f"-march={march}", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp"]
+    suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
     cpp_extension.load(
-        name="lorarl_lora_merge_cuda" if with_cuda else "lorarl_lora_merge_cpu",
+        name=("lorarl_lora_merge_cuda" if with_cuda else "lorarl_lora_merge_cpu") + suffix,
         sources=[str(src / name) for name in names],
         extra_cflags=cpu_flags,
         extra_cuda_cflags=["-O3", "--use_fast_math"] if with_cuda else None,

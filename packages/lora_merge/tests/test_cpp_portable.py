@@ -1,0 +1,55 @@
+"""The C++ kernel built for CPUs without AVX-512 (x86-64-v3: AVX2 + FMA), run here in a process of its own (one op
+library per process), against the float64 reference: the vector code that machines without AVX-512 execute."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from merge_reference import assert_merged_close
+
+CASES = [  # (shape, rank, weight dtype, out dtype): edges, whole tiles, row remainders, a large output, fp32 -> bf16
+    ((97, 200), 8, torch.bfloat16, torch.bfloat16),
+    ((130, 257), 64, torch.float16, torch.float16),
+    ((64, 128), 1, torch.float32, torch.float32),
+    ((1030, 2048), 16, torch.bfloat16, torch.bfloat16),
+    ((70, 192), 16, torch.float32, torch.bfloat16),
+]
+
+SCRIPT = """
+import sys, torch
+from lorarl.lora_merge._cpp_backend import merge
+for path in sys.argv[1:]:
+    w, a, b, out = torch.load(path)
+    merge(w, b, a, 0.37, out)
+    torch.save(out, path)
+"""
+
+
+def avx2_machine() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return platform.machine() in ("x86_64", "AMD64") and " avx2 " in flags and " fma " in flags
+
+
+@pytest.mark.skipif(not avx2_machine(), reason="needs an x86-64 CPU with AVX2 and FMA")
+def test_kernel_for_cpus_without_avx512_matches_the_reference(tmp_path):
+    inputs = []
+    for i, (shape, rank, weight_dtype, out_dtype) in enumerate(CASES):
+        generator = torch.Generator().manual_seed(i)
+        weight = torch.randn(shape, generator=generator).to(weight_dtype)
+        lora_A = torch.randn(rank, shape[1], generator=generator)
+        lora_B = torch.randn(shape[0], rank, generator=generator)
+        path = tmp_path / f"case{i}.pt"
+        torch.save((weight, lora_A, lora_B, torch.full(shape, float("nan"), dtype=out_dtype)), path)
+        inputs.append((path, weight, lora_A, lora_B))
+    env = {**os.environ, "LORARL_MERGE_MARCH": "x86-64-v3"}
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *(str(p) for p, *_ in inputs)], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for path, weight, lora_A, lora_B in inputs:
+        assert_merged_close(torch.load(path), weight, lora_A, lora_B, 0.37)
