@@ -30,7 +30,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -115,10 +115,22 @@ struct Vec<c10::BFloat16> {
 typedef _Float16 vhalf __attribute__((vector_size(kLanes * sizeof(_Float16))));
 template <>
 struct Vec<c10::Half> {
-  static vfloat load(const c10::Half* p) {
+  static vfloat load(const c10::Half* p) {  // exact, denormals included; GCC 12 converts lane by lane unless told
+    vfloat f;
+#if defined(__AVX512F__)
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    std::memcpy(&f, &wide, sizeof f);
+#elif defined(__F16C__)
+    for (int64_t half = 0; half < kLanes / 8; ++half) {
+      const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * half)));
+      std::memcpy(reinterpret_cast<float*>(&f) + 8 * half, &wide, sizeof wide);
+    }
+#else
     vhalf h;
     std::memcpy(&h, p, sizeof h);
-    return __builtin_convertvector(h, vfloat);
+    f = __builtin_convertvector(h, vfloat);
+#endif
+    return f;
   }
   template <bool kStream>
   static void store(c10::Half* p, vfloat f) {
