@@ -35,27 +35,43 @@ RANKS = [8, 32, 128]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def cpu_seconds(fn: Callable[[], object]) -> float:
+    """Runs `fn` twice and times the second call: it sees its own steady state, not the caches another left."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@functools.cache
+def l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    return torch.empty(512 << 20, dtype=torch.uint8, device=device)  # 10x an H100's L2
+
+
+def gpu_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Device time of one call, timed with CUDA events after the L2 cache was overwritten (a 4096² bf16 layer fits
+    in an H100's 50 MB L2, so repeated calls would otherwise read W from the cache, not from memory). The flush
+    also keeps the GPU busy while Python launches `fn`, so host overhead stays out of the time."""
+    fn()  # first call: compilation, autotuning
+    l2_flush_buffer(device).zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def interleaved(
     fns: dict[str, Callable[[], object]], device: torch.device, min_seconds: float, min_reps: int
 ) -> dict[str, float]:
-    """Median seconds of each function. Every repetition runs each function twice in a row and times the second
-    call: each sees its own steady state (not the caches another left behind), and slow drift of the machine still
-    hits all of them alike."""
+    """Median seconds of each function, timed in turn, repetition after repetition, so that slow drift of the
+    machine hits all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     started = time.perf_counter()
     while len(times[next(iter(fns))]) < min_reps or time.perf_counter() - started < min_seconds:
         for name, fn in fns.items():
-            fn()
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(gpu_seconds(fn, device) if device.type == "cuda" else cpu_seconds(fn))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -187,10 +203,15 @@ def main() -> None:
     )
     print(json.dumps({"machine": machine, "threads": torch.get_num_threads(), "torch": torch.__version__}), flush=True)
     for case in layer_cases(args, device):
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in case.items()}), flush=True)
+        print_case(case)
     if not args.no_model:
         for case in model_case(args, device):
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in case.items()}), flush=True)
+            print_case(case)
+
+
+def print_case(case: dict) -> None:
+    """One JSON line; floats to 4 significant digits (GPU times are microseconds: fixed decimals would zero them)."""
+    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in case.items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def assert_merged_close(got, weight, lora_A, lora_B, scale, fan_in_fan_out=False
     the terms, more than an ulp of the tiny result, for every fp32-accumulating implementation (torch's included).
     fp32: within 1e-6 relative to the terms' magnitude (elementwise relative error is meaningless where they cancel).
     """
+    got, weight, lora_A, lora_B = (t.cpu() for t in (got, weight, lora_A, lora_B))  # the reference runs on the CPU
     exact = merged_float64(weight, lora_A, lora_B, scale, fan_in_fan_out)
     size = magnitude(weight, lora_A, lora_B, scale, fan_in_fan_out)
     error = (got.double() - exact).abs()

@@ -1,5 +1,7 @@
 """Every backend against a float64 reference: one rounding, fp32 accumulation, nothing else touched."""
 
+import os
+
 import pytest
 import torch
 from merge_reference import assert_merged_close, merged_float64
@@ -7,29 +9,44 @@ from merge_reference import assert_merged_close, merged_float64
 from lorarl.lora_merge import _cpp_backend, available_backends, merge_lora, merge_lora_
 
 BACKENDS = ["torch", "cpp", "triton"]
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU tensors (set in conftest without a GPU)
+ON_DEVICES = [  # (backend, device): every backend on CPU (Triton under its interpreter) and, given a GPU, on CUDA
+    pytest.param(backend, device, id=f"{backend}-{device}")
+    for device in DEVICES
+    for backend in BACKENDS
+    if backend != "triton" or device == "cuda" or INTERPRETING
+]
 SHAPES = [(1, 1), (5, 70), (64, 64), (97, 200), (130, 257)]  # edges of every tile size, and whole tiles
 
 
-def factors(shape, rank, fan_in_fan_out=False, dtype=torch.float32, seed=0):
+def factors(shape, rank, fan_in_fan_out=False, dtype=torch.float32, seed=0, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
     rows, cols = shape
     fan_in, fan_out = (rows, cols) if fan_in_fan_out else (cols, rows)
-    lora_A = torch.randn(rank, fan_in, generator=generator).to(dtype)
-    lora_B = torch.randn(fan_out, rank, generator=generator).to(dtype)
+    lora_A = torch.randn(rank, fan_in, generator=generator).to(dtype).to(device)
+    lora_B = torch.randn(fan_out, rank, generator=generator).to(dtype).to(device)
     return lora_A, lora_B
 
 
+def skip_where_bf16_denormals_are_misread(backend, device):
+    if backend == "triton" and device == "cpu":
+        pytest.skip("Triton's interpreter loads bf16 denormals wrongly (1e-39 as 4.4e-39); GPUs run the real kernel")
+
+
 def test_every_backend_is_available_here():
-    assert available_backends("cpu") == ["torch", "cpp", "triton"]
+    assert available_backends("cpu") == ["torch", "cpp", "triton"] if INTERPRETING else ["torch", "cpp"]
+    if torch.cuda.is_available():
+        assert available_backends("cuda") == ["torch", "cpp", "triton"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rank", [1, 8, 64])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_float64_reference(backend, dtype, rank, shape):
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    lora_A, lora_B = factors(shape, rank)
+def test_matches_float64_reference(backend, device, dtype, rank, shape):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    lora_A, lora_B = factors(shape, rank, device=device)
     before = weight.clone()
     got = merge_lora(weight, lora_A, lora_B, 0.37, backend=backend)
     assert got.dtype == dtype
@@ -38,42 +55,42 @@ def test_matches_float64_reference(backend, dtype, rank, shape):
     assert_merged_close(got, weight, lora_A, lora_B, 0.37)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
-def test_fan_in_fan_out_and_factor_dtypes(backend, factor_dtype):
+def test_fan_in_fan_out_and_factor_dtypes(backend, device, factor_dtype):
     shape = (96, 72)  # Conv1D: weight [in, out]
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(2)).bfloat16()
-    lora_A, lora_B = factors(shape, 8, fan_in_fan_out=True, dtype=factor_dtype)
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(2)).bfloat16().to(device)
+    lora_A, lora_B = factors(shape, 8, fan_in_fan_out=True, dtype=factor_dtype, device=device)
     got = merge_lora(weight, lora_A, lora_B, -1.5, fan_in_fan_out=True, backend=backend)
     assert_merged_close(got, weight, lora_A, lora_B, -1.5, fan_in_fan_out=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_out_in_another_dtype_is_rounded_once_from_the_exact_value(backend):
-    weight = torch.randn(70, 90, generator=torch.Generator().manual_seed(3))  # an fp32 master weight into bf16
-    lora_A, lora_B = factors(weight.shape, 16)
-    out = torch.empty(70, 90, dtype=torch.bfloat16)
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+def test_out_in_another_dtype_is_rounded_once_from_the_exact_value(backend, device):
+    weight = torch.randn(70, 90, generator=torch.Generator().manual_seed(3)).to(device)  # fp32 master weight → bf16
+    lora_A, lora_B = factors(weight.shape, 16, device=device)
+    out = torch.empty(70, 90, dtype=torch.bfloat16, device=device)
     assert merge_lora(weight, lora_A, lora_B, 0.5, out=out, backend=backend) is out
     assert_merged_close(out, weight, lora_A, lora_B, 0.5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_in_place(backend):
-    weight = torch.randn(65, 130, generator=torch.Generator().manual_seed(4)).bfloat16()
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+def test_in_place(backend, device):
+    weight = torch.randn(65, 130, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
     original = weight.clone()
-    lora_A, lora_B = factors(weight.shape, 8)
+    lora_A, lora_B = factors(weight.shape, 8, device=device)
     assert merge_lora_(weight, lora_A, lora_B, 2.0, backend=backend) is weight
     assert_merged_close(weight, original, lora_A, lora_B, 2.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_contiguous_inputs_and_out_are_handled_correctly(backend):
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+def test_non_contiguous_inputs_and_out_are_handled_correctly(backend, device):
     generator = torch.Generator().manual_seed(5)
-    storage = torch.randn(80, 140, generator=generator).bfloat16()
+    storage = torch.randn(80, 140, generator=generator).bfloat16().to(device)
     weight = storage[:, ::2]  # strided view [80, 70]
-    lora_A = torch.randn(70, 8, generator=generator).t()  # transposed view [8, 70]
-    lora_B = torch.randn(8, 80, generator=generator).t()
-    out_storage = torch.zeros(80, 140, dtype=torch.bfloat16)
+    lora_A = torch.randn(70, 8, generator=generator).to(device).t()  # transposed view [8, 70]
+    lora_B = torch.randn(8, 80, generator=generator).to(device).t()
+    out_storage = torch.zeros(80, 140, dtype=torch.bfloat16, device=device)
     out = out_storage[:, 1::2]
     merge_lora(weight, lora_A, lora_B, 0.25, out=out, backend=backend)
     assert_merged_close(out, weight, lora_A, lora_B, 0.25)
@@ -83,30 +100,36 @@ def test_non_contiguous_inputs_and_out_are_handled_correctly(backend):
     assert_merged_close(weight, weight_copy, lora_A, lora_B, 0.25)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rank_zero_and_zero_scale_copy_the_weight(backend):
-    weight = torch.randn(9, 33, generator=torch.Generator().manual_seed(6)).bfloat16()
-    assert torch.equal(merge_lora(weight, torch.zeros(0, 33), torch.zeros(9, 0), 1.0, backend=backend), weight)
-    lora_A, lora_B = factors(weight.shape, 4)
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+def test_rank_zero_and_zero_scale_copy_the_weight(backend, device):
+    weight = torch.randn(9, 33, generator=torch.Generator().manual_seed(6)).bfloat16().to(device)
+    empty_A, empty_B = torch.zeros(0, 33, device=device), torch.zeros(9, 0, device=device)
+    assert torch.equal(merge_lora(weight, empty_A, empty_B, 1.0, backend=backend), weight)
+    lora_A, lora_B = factors(weight.shape, 4, device=device)
     assert torch.equal(merge_lora(weight, lora_A, lora_B, 0.0, backend=backend), weight)
 
 
-@pytest.mark.parametrize("shape", [(8, 24), (12, 128)])  # scalar edge columns; whole vector micro-tiles
-def test_cpp_op_keeps_special_values(shape):
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+@pytest.mark.parametrize("shape", [(8, 24), (12, 128)])  # C++ op: scalar edge columns; whole vector micro-tiles
+def test_special_values_survive(backend, device, shape):
+    skip_where_bf16_denormals_are_misread(backend, device)
     values = torch.tensor([1e-39, -3e-39, float("nan"), float("inf"), -float("inf"), 3.0e38, -0.0, 0.0])
-    weight = values.repeat(shape[0] * shape[1] // 8).view(shape).bfloat16()
-    got = merge_lora(weight, torch.zeros(1, shape[1]), torch.zeros(shape[0], 1), 1.0, backend="cpp")
+    weight = values.repeat(shape[0] * shape[1] // 8).view(shape).bfloat16().to(device)
+    lora_A, lora_B = torch.zeros(1, shape[1], device=device), torch.zeros(shape[0], 1, device=device)
+    got = merge_lora(weight, lora_A, lora_B, 1.0, backend=backend)
     assert torch.equal(got.isnan(), weight.isnan())
     assert torch.equal(got[~got.isnan()], weight[~weight.isnan()])  # denormals, infinities and -0 survive exactly
 
 
-def test_cpp_op_rounds_denormal_results_exactly():
-    """W normal, W + s·BA denormal: the AVX512-BF16 rounding would flush it to zero; the op must not."""
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+def test_denormal_results_are_rounded_exactly(backend, device):
+    """W normal, W + s·BA denormal: the AVX512-BF16 rounding (C++ op) or a GPU's flush-to-zero would give 0."""
+    skip_where_bf16_denormals_are_misread(backend, device)
     weight = torch.full((12, 128), 2.0**-120).bfloat16()
     lora_A = torch.ones(1, 128)
     lora_B = torch.full((12, 1), -(2.0**-120 - 2.0**-130))
     lora_B[::2] = 1.0  # half the rows stay normal, so pairs with and without denormals meet in one micro-tile
-    got = merge_lora(weight, lora_A, lora_B, 1.0, backend="cpp")
+    got = merge_lora(weight.to(device), lora_A.to(device), lora_B.to(device), 1.0, backend=backend).cpu()
     expected = merged_float64(weight, lora_A, lora_B, 1.0).to(torch.bfloat16)
     assert torch.equal(got, expected)
     assert (got[1::2] == 2.0**-130).all()
@@ -135,18 +158,34 @@ def test_backends_agree_bitwise_on_bf16_where_rounding_is_unambiguous():
     """Same fp32 sum, same single rounding: the backends differ only where fp32 summation order matters."""
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
     lora_A, lora_B = factors(weight.shape, 8)
-    results = [merge_lora(weight, lora_A, lora_B, 0.5, backend=b) for b in BACKENDS]
+    results = [
+        merge_lora(weight.to(d), lora_A.to(d), lora_B.to(d), 0.5, backend=b).cpu()
+        for b, d in (p.values for p in ON_DEVICES)
+    ]
     for other in results[1:]:
         assert (other != results[0]).float().mean() < 0.01
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_within_one_ulp_over_many_random_layers(backend):
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+def test_within_one_ulp_over_many_random_layers(backend, device):
     """Many seeds: the 1-ulp rule holds everywhere but at cancellations (where fp32 accumulation is the limit)."""
     for seed in range(40):
         generator = torch.Generator().manual_seed(seed)
-        weight = torch.randn(96, 72, generator=generator).bfloat16()
-        lora_A = torch.randn(8, 96, generator=generator)
-        lora_B = torch.randn(72, 8, generator=generator)
+        weight = torch.randn(96, 72, generator=generator).bfloat16().to(device)
+        lora_A = torch.randn(8, 96, generator=generator).to(device)
+        lora_B = torch.randn(72, 8, generator=generator).to(device)
         got = merge_lora(weight, lora_A, lora_B, -1.5, fan_in_fan_out=True, backend=backend)
         assert_merged_close(got, weight, lora_A, lora_B, -1.5, fan_in_fan_out=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the autotuned tile sizes run there only")
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rank", [16, 128])
+@pytest.mark.parametrize("shape", [(1000, 1500), (4096, 700)])
+def test_large_layers_on_gpu(backend, dtype, rank, shape):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(10)).to(dtype).cuda()
+    lora_A, lora_B = factors(shape, rank, seed=11, device="cuda")
+    out = torch.full_like(weight, float("nan"))
+    merge_lora(weight, lora_A / rank**0.5, lora_B, 0.5, out=out, backend=backend)
+    assert_merged_close(out, weight, lora_A / rank**0.5, lora_B, 0.5)

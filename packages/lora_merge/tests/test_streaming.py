@@ -65,6 +65,16 @@ def test_gpt2_conv1d_fan_in_fan_out(make_gpt2, rank):
     assert_same_as_peft(model)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_gpu(make_qwen2, make_gpt2, dtype):
+    qwen2 = lora(make_qwen2(dtype=dtype).cuda(), r=16, target_modules="all-linear")
+    gpt2 = lora(make_gpt2(dtype=dtype).cuda(), r=16, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
+    for model in (qwen2, gpt2):
+        merged = assert_same_as_peft(model)
+        assert all(tensor.is_cuda for tensor in merged.values())
+
+
 def test_explicit_targets_with_exclusions_and_rslora(make_qwen2):
     model = lora(
         make_qwen2(dtype=torch.bfloat16),

@@ -1,11 +1,17 @@
 """The Triton kernel (GPU path), also runnable on CPU under TRITON_INTERPRET=1 for testing.
 
-Each program reads one `BLOCK_M x BLOCK_N` tile of W once, accumulates `left_tile @ right_tile` over the rank in fp32
-with `tl.dot`, adds, rounds once and writes the tile to `out` (which may be W itself).
+Each program loads one `BLOCK_M x BLOCK_N` tile of W (first, so the load is in flight while the product is
+computed), accumulates `left_tile @ right_tile` over the rank in fp32 with `tl.dot`, adds, rounds once and writes the
+tile to `out` (which may be W itself).
 
-Precision: 16-bit factors go into `tl.dot` as they are (exact products, fp32 accumulation); fp32 factors use
-`input_precision="ieee"`, never TF32. Under the interpreter, `tl.dot` on bf16 returns garbage (triton#11584) and its
-bf16 cast truncates, so there everything is computed in fp32 and the one rounding is done by torch.
+Precision: 16-bit factors go into `tl.dot` as they are (exact products, fp32 accumulation). fp32 factors (peft's
+default) are split into bf16 parts on the tensor cores, because plain fp32 FMAs at rank 128 take several times longer
+than the copy: "bf16x6" (products within ~2^-24, fp32's own rounding), or "bf16x3" (within ~2^-16.4, half the tensor
+work) for bf16 outputs at rank >= 128, where that is no worse than the error bound of fp32 accumulation over so many
+products (at lower ranks it broke the 1-ulp rule at cancellations, measured on an H100); never TF32. Under the
+interpreter, `tl.dot` on bf16
+returns garbage (triton#11584) and its bf16 cast truncates, so there everything is computed in fp32 ("ieee") and the
+one rounding is done by torch.
 """
 
 import functools
@@ -38,6 +44,9 @@ def _merge_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
+    mask = (rows[:, None] < m) & (cols[None, :] < n)
+    offsets = rows64[:, None] * n + cols[None, :]
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, r, BLOCK_R):
         ks = k0 + tl.arange(0, BLOCK_R)
@@ -49,11 +58,8 @@ def _merge_kernel(
             mask=(ks[:, None] < r) & (cols[None, :] < n),
             other=0.0,
         )
-        acc += tl.dot(left, right, input_precision=PRECISION)
-    mask = (rows[:, None] < m) & (cols[None, :] < n)
-    offsets = rows64[:, None] * n + cols[None, :]
-    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, (w + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+        acc = tl.dot(left, right, acc, input_precision=PRECISION)
+    tl.store(out_ptr + offsets, (w.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -68,9 +74,36 @@ def _autotuned():
             (128, 128, 8, 3),
             (64, 256, 8, 3),
             (128, 256, 8, 2),
+            (128, 256, 8, 3),
+            (256, 128, 8, 2),
         ]
     ]
-    return triton.autotune(configs=configs, key=["m", "n", "r", "PRECISION"])(_merge_kernel)
+    return triton.autotune(
+        configs=configs,
+        key=["m", "n", "r", "PRECISION"],
+        prune_configs_by={"early_config_prune": _fitting_tiles},
+        restore_value=["out_ptr"],  # timing a config runs the merge: in place (out is W), W must not change
+    )(_merge_kernel)
+
+
+def _fitting_tiles(configs: list, named_args: dict, **kwargs) -> list:
+    """Tiles no larger than the layer needs: a 5 x 70 layer is not worth compiling and timing 256 x 128 tiles for."""
+    return [  # the 64 x 64 tile always fits
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= max(64, triton.next_power_of_2(named_args["m"]))
+        and c.kwargs["BLOCK_N"] <= max(64, triton.next_power_of_2(named_args["n"]))
+    ]
+
+
+TWO_PARTS_FROM_RANK = 128  # where fp32 accumulation's own error bound, (r + 2)·2^-24, reaches bf16x3's ~2^-16.4
+
+
+def dot_precision(factor_dtype: torch.dtype, out_dtype: torch.dtype, rank: int) -> str:
+    """How `tl.dot` multiplies the factors: exactly where they are 16-bit, else split into bf16 parts (see above)."""
+    if interpreting() or factor_dtype != torch.float32:
+        return "ieee"  # 16-bit factors: exact products whatever the mode; the interpreter: plain fp32
+    return "bf16x3" if out_dtype == torch.bfloat16 and rank >= TWO_PARTS_FROM_RANK else "bf16x6"
 
 
 def merge(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out: torch.Tensor) -> None:
@@ -80,7 +113,7 @@ def merge(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: 
     factor_dtype = torch.promote_types(left.dtype, right.dtype)
     if interpreting() or factor_dtype not in (torch.bfloat16, torch.float16):
         factor_dtype = torch.float32
-    precision = "ieee"  # fp32 factors: exact fp32 products, never TF32; 16-bit factors: products are exact anyway
+    precision = dot_precision(factor_dtype, out.dtype, r)
     left = left.to(factor_dtype).contiguous()
     right = right.to(factor_dtype).contiguous()
     block_r = max(16, min(64, triton.next_power_of_2(r)))
