@@ -9,9 +9,8 @@ default) are split into bf16 parts on the tensor cores, because plain fp32 FMAs 
 than the copy: "bf16x6" (products within ~2^-24, fp32's own rounding), or "bf16x3" (within ~2^-16.4, half the tensor
 work) for bf16 outputs at rank >= 128, where that is no worse than the error bound of fp32 accumulation over so many
 products (at lower ranks it broke the 1-ulp rule at cancellations, measured on an H100); never TF32. Under the
-interpreter, `tl.dot` on bf16
-returns garbage (triton#11584) and its bf16 cast truncates, so there everything is computed in fp32 ("ieee") and the
-one rounding is done by torch.
+interpreter, `tl.dot` on bf16 returns garbage (triton#11584) and its bf16 cast truncates, so there everything is
+computed in fp32 ("ieee") and the one rounding is done by torch.
 """
 
 import functools
