@@ -35,7 +35,7 @@ def skip_where_bf16_denormals_are_misread(backend, device):
 
 
 def test_every_backend_is_available_here():
-    assert available_backends("cpu") == ["torch", "cpp", "triton"] if INTERPRETING else ["torch", "cpp"]
+    assert available_backends("cpu") == (["torch", "cpp", "triton"] if INTERPRETING else ["torch", "cpp"])
     if torch.cuda.is_available():
         assert available_backends("cuda") == ["torch", "cpp", "triton"]
 
