@@ -13,15 +13,15 @@
 //   outputs add W after the rank loop, so their error does not grow with |W|.
 // - A work item is a block of two micro-tiles (12 rows) swept across all panels: both tiles reuse each panel from L1,
 //   and W and out are walked as 12 sequential row streams the hardware prefetcher follows, helped by a software
-//   prefetch of the W lines one panel ahead, one line per step of the rank loop (a burst of them at the tile's start
-//   measured 3-7% slower). Taller blocks (more streams than the prefetcher tracks) measured slower,
+//   prefetch of the W lines one panel ahead, one line in each of the rank loop's first steps (a burst of them at the
+//   tile's start measured 3-7% slower). Taller blocks (more streams than the prefetcher tracks) measured slower,
 //   and single-tile blocks stream each panel from L2 twice as often.
 // - Outputs of at least kStreamBytes are written with non-temporal stores: lines that are overwritten whole are not
 //   read first (a third of a plain merge's memory traffic), and the caches are not flushed by a tensor that is
 //   handed on, not read back here.
 // - bf16 is rounded by AVX512-BF16's vcvtne2ps2bf16 (nearest even, 32 values per instruction). It flushes fp32
-//   denormals to zero, so a pair of vectors whose result holds a zero is checked for denormals and, if it has any,
-//   rounded by the exact integer path instead.
+//   denormals to zero, so when a tile's results hold a zero, its pairs of vectors are checked for denormals and
+//   those that have any are rounded again by the exact integer path (one branch per tile, not per pair).
 // Built with -march=native on the machine that runs it; without AVX-512 the same code runs on narrower vectors.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,8 +50,9 @@ constexpr int64_t kRows = 6;                    // rows per micro-tile
 constexpr int64_t kBlockRows = 2 * kRows;       // rows per work item: two micro-tiles share each panel
 constexpr int64_t kStreamBytes = int64_t{4} << 20;  // outputs at least this large bypass the caches
 
-// Fully unrolled small loops keep a micro-tile in registers (the compiler would otherwise keep it on the stack).
-#define LORARL_UNROLL _Pragma("GCC unroll 16")
+// Fully unrolled small loops keep a micro-tile in registers (the compiler would otherwise keep it on the stack), and
+// give the prefetches in the first rank steps constant offsets.
+#define LORARL_UNROLL _Pragma("GCC unroll 32")
 
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint32_t vuint32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -161,22 +162,43 @@ struct Vec<c10::Half> {  // no native _Float16: convert lane by lane with c10's 
 };
 #endif
 
-// Rounds two adjacent vectors (32 columns) to TO and stores them.
-template <bool kStream, typename TO>
-inline void store_pair(TO* p, vfloat lo, vfloat hi) {
+// Rounds an R x 64 tile to TO and stores it.
+template <int64_t R, bool kStream, typename TO>
+inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<TO, c10::BFloat16> && kLanes == 16) {
-    __m512 a, b;
-    std::memcpy(&a, &lo, sizeof a);
-    std::memcpy(&b, &hi, sizeof b);
-    const __m512i bits = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
-    const bool any_zero = _mm512_testn_epi16_mask(bits, _mm512_set1_epi16(0x7fff)) != 0;
-    const bool flushed = any_zero && (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) != 0;
-    if (__builtin_expect(!flushed, 1)) return put<kStream>(p, bits);
+    const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+    __mmask32 zeros = 0;
+    LORARL_UNROLL
+    for (int64_t i = 0; i < R; ++i)
+      LORARL_UNROLL
+      for (int64_t v = 0; v < kVecs; v += 2) {
+        __m512 a, b;
+        std::memcpy(&a, &acc[i][v], sizeof a);
+        std::memcpy(&b, &acc[i][v + 1], sizeof b);
+        const __m512i bits = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+        zeros |= _mm512_testn_epi16_mask(bits, magnitude);
+        put<kStream>(out + i * ld + v * kLanes, bits);
+      }
+    if (__builtin_expect(zeros == 0, 1)) return;
+    LORARL_UNROLL
+    for (int64_t i = 0; i < R; ++i)
+      LORARL_UNROLL
+      for (int64_t v = 0; v < kVecs; v += 2) {
+        __m512 a, b;
+        std::memcpy(&a, &acc[i][v], sizeof a);
+        std::memcpy(&b, &acc[i][v + 1], sizeof b);
+        if ((_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) == 0) continue;
+        Vec<TO>::template store<kStream>(out + i * ld + v * kLanes, acc[i][v]);
+        Vec<TO>::template store<kStream>(out + i * ld + (v + 1) * kLanes, acc[i][v + 1]);
+      }
+    return;
   }
 #endif
-  Vec<TO>::template store<kStream>(p, lo);
-  Vec<TO>::template store<kStream>(p + kLanes, hi);
+  LORARL_UNROLL
+  for (int64_t i = 0; i < R; ++i)
+    LORARL_UNROLL
+    for (int64_t v = 0; v < kVecs; ++v) Vec<TO>::template store<kStream>(out + i * ld + v * kLanes, acc[i][v]);
 }
 
 // Prefetches line `line` of the R x 64 W tile one panel ahead (prefetches never fault: past a row's end they fetch
@@ -206,8 +228,7 @@ inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int6
         if constexpr (kStartFromW) acc[i][v] += Vec<TW>::load(w + i * ld + v * kLanes);
       }
   }
-  for (int64_t k = 1; k < r; ++k) {
-    if (k <= kLines) prefetch_next_panel(w, ld, k - 1);
+  const auto rank_step = [&](int64_t k) __attribute__((always_inline)) {
     vfloat b[kVecs];
     LORARL_UNROLL
     for (int64_t v = 0; v < kVecs; ++v) b[v] = load_floats(panel + k * kCols + v * kLanes);
@@ -217,18 +238,26 @@ inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int6
       LORARL_UNROLL
       for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += a * b[v];
     }
+  };
+  int64_t k = 1;
+  if (r > kLines) {  // the first steps each prefetch one line, with constant offsets
+    LORARL_UNROLL
+    for (int64_t line = 0; line < kLines; ++line) {
+      prefetch_next_panel(w, ld, line);
+      rank_step(k + line);
+    }
+    k += kLines;
   }
-  for (int64_t line = std::max<int64_t>(r - 1, 0); line < kLines; ++line) prefetch_next_panel(w, ld, line);
+  for (; k < r; ++k) rank_step(k);
+  if (r <= kLines)
+    for (int64_t line = 0; line < kLines; ++line) prefetch_next_panel(w, ld, line);
   if constexpr (!kStartFromW) {
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i)
       LORARL_UNROLL
       for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += Vec<TW>::load(w + i * ld + v * kLanes);
   }
-  LORARL_UNROLL
-  for (int64_t i = 0; i < R; ++i)
-    LORARL_UNROLL
-    for (int64_t v = 0; v < kVecs; v += 2) store_pair<kStream>(out + i * ld + v * kLanes, acc[i][v], acc[i][v + 1]);
+  store_tile<R, kStream>(out, ld, acc);
 }
 
 // Rows [row0, row1) x columns [col0, col1), one element at a time: columns that do not fill a panel.
