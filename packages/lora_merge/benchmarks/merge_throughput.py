@@ -51,8 +51,8 @@ def l2_flush_buffer(device: torch.device) -> torch.Tensor:
 def gpu_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Device time of one call, timed with CUDA events after the L2 cache was overwritten (a 4096² bf16 layer fits
     in an H100's 50 MB L2, so repeated calls would otherwise read W from the cache, not from memory). The flush
-    also keeps the GPU busy while Python launches `fn`, so host overhead stays out of the time."""
-    fn()  # first call: compilation, autotuning
+    also keeps the GPU busy while Python launches `fn`, so host overhead stays out of the time. The caller has made
+    the first, untimed call (compilation, autotuning)."""
     l2_flush_buffer(device).zero_()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -68,6 +68,9 @@ def interleaved(
     """Median seconds of each function, timed in turn, repetition after repetition, so that slow drift of the
     machine hits all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    if device.type == "cuda":
+        for fn in fns.values():
+            fn()  # compilation, autotuning: once, not before every timed call
     started = time.perf_counter()
     while len(times[next(iter(fns))]) < min_reps or time.perf_counter() - started < min_seconds:
         for name, fn in fns.items():
