@@ -100,7 +100,8 @@ struct Vec<c10::BFloat16> {
   static vfloat load(const c10::BFloat16* p) {
     vfloat f;
 #if defined(__AVX512F__)  // one widening load and a shift; GCC 12 splits the generic code into 8-lane halves
-    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
 #else
     vuint16 h;
     std::memcpy(&h, p, sizeof h);
@@ -162,6 +163,14 @@ struct Vec<c10::Half> {  // no native _Float16: convert lane by lane with c10's 
 };
 #endif
 
+#if defined(__AVX512F__)
+inline __m512 as_m512(const vfloat& v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  return x;
+}
+#endif
+
 // Rounds an R x 64 tile to TO and stores it.
 template <int64_t R, bool kStream, typename TO>
 inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
@@ -173,22 +182,18 @@ inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
     for (int64_t i = 0; i < R; ++i)
       LORARL_UNROLL
       for (int64_t v = 0; v < kVecs; v += 2) {
-        __m512 a, b;
-        std::memcpy(&a, &acc[i][v], sizeof a);
-        std::memcpy(&b, &acc[i][v + 1], sizeof b);
-        const __m512i bits = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+        const __m512i bits = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(as_m512(acc[i][v + 1]), as_m512(acc[i][v])));
         zeros |= _mm512_testn_epi16_mask(bits, magnitude);
         put<kStream>(out + i * ld + v * kLanes, bits);
       }
     if (__builtin_expect(zeros == 0, 1)) return;
+    // Rare: a zero result, maybe a flushed denormal; the pairs that hold denormals are rounded again, exactly.
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i)
       LORARL_UNROLL
       for (int64_t v = 0; v < kVecs; v += 2) {
-        __m512 a, b;
-        std::memcpy(&a, &acc[i][v], sizeof a);
-        std::memcpy(&b, &acc[i][v + 1], sizeof b);
-        if ((_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) == 0) continue;
+        const __m512 lo = as_m512(acc[i][v]), hi = as_m512(acc[i][v + 1]);
+        if ((_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) == 0) continue;
         Vec<TO>::template store<kStream>(out + i * ld + v * kLanes, acc[i][v]);
         Vec<TO>::template store<kStream>(out + i * ld + (v + 1) * kLanes, acc[i][v + 1]);
       }
