@@ -102,13 +102,15 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
     gemm_b = torch.randn(2048, 2048, device=device)
     gemm_out = torch.empty(2048, 2048, device=device)
     backends = [b for b in available_backends(device) if b != "triton" or device.type == "cuda"]
+    backends = [b for b in backends if args.backends is None or b in args.backends]
+    factor_dtype = DTYPES[args.factor_dtype]
     for shape in QUICK_SHAPES if args.quick else SHAPES:
         for dtype_name, dtype in DTYPES.items():
             weight = torch.randn(shape, device=device).to(dtype)
             out = torch.empty_like(weight)
             for rank in RANKS:
-                lora_A = torch.randn(rank, shape[1], device=device) / rank**0.5
-                lora_B = torch.randn(shape[0], rank, device=device) * 0.01
+                lora_A = (torch.randn(rank, shape[1], device=device) / rank**0.5).to(factor_dtype)
+                lora_B = (torch.randn(shape[0], rank, device=device) * 0.01).to(factor_dtype)
                 alpha = 2 * rank
                 scale = alpha / rank
                 with torch.no_grad():
@@ -131,7 +133,7 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
                         "shape": list(shape),
                         "rank": rank,
                         "dtype": dtype_name,
-                        "factor_dtype": "fp32",
+                        "factor_dtype": args.factor_dtype,
                         "seconds": t["merge"],
                         "gbps": moved / t["merge"] / 1e9,
                         "ratio_to_copy": t["copy"] / t["merge"],
@@ -198,6 +200,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (under 5 minutes on CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model case")
+    parser.add_argument(
+        "--factor-dtype", choices=DTYPES, default="fp32", help="dtype of lora_A/lora_B (peft keeps them in fp32)"
+    )
+    parser.add_argument("--backends", nargs="+", help="only these backends (default: every available one)")
     args = parser.parse_args()
     args.min_seconds, args.min_reps = (0.3, 5) if args.quick else (1.0, 11)
     device = torch.device(args.device)

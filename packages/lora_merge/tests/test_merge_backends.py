@@ -56,6 +56,17 @@ def test_matches_float64_reference(backend, device, dtype, rank, shape):
 
 
 @pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ranks_beyond_one_product(backend, device, dtype):
+    """Rank 300: more than one `tl.dot` (Triton walks it in chunks of 128, the last one partial), more than one
+    rank block of the C++ op."""
+    weight = torch.randn(70, 150, generator=torch.Generator().manual_seed(12)).to(dtype).to(device)
+    lora_A, lora_B = factors(weight.shape, 300, seed=13, device=device)
+    got = merge_lora(weight, lora_A, lora_B, 0.05, backend=backend)
+    assert_merged_close(got, weight, lora_A, lora_B, 0.05)
+
+
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
 def test_fan_in_fan_out_and_factor_dtypes(backend, device, factor_dtype):
     shape = (96, 72)  # Conv1D: weight [in, out]
@@ -178,10 +189,10 @@ def test_within_one_ulp_over_many_random_layers(backend, device):
         assert_merged_close(got, weight, lora_A, lora_B, -1.5, fan_in_fan_out=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the autotuned tile sizes run there only")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: its tile sizes run there only")
 @pytest.mark.parametrize("backend", ["triton", "cpp"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rank", [16, 128])
+@pytest.mark.parametrize("rank", [16, 128, 300])  # one product, the widest one, chunks
 @pytest.mark.parametrize("shape", [(1000, 1500), (4096, 700)])
 def test_large_layers_on_gpu(backend, dtype, rank, shape):
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(10)).to(dtype).cuda()
