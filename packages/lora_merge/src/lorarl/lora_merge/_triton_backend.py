@@ -83,8 +83,9 @@ def _merge_kernel(
 
 def tile_config(weight_dtype: torch.dtype, rank: int) -> dict:
     """Tile sizes measured on an H100 with a cold L2 (4096x11008, ranks 8-128; see the package README) rather than
-    autotuned: autotuning costs seconds at the first merge of every new layer shape, and its picks ran up to 0.15 of
-    copy bandwidth slower than these (bf16 W, rank 8: 0.71 against 0.85). Wider tiles pay off only where 16-bit W
+    autotuned: autotuning costs seconds at the first merge of every new layer shape, must keep a full-size copy of W
+    to restore between timing runs of an in-place merge, and its picks ran up to 0.15 of copy bandwidth slower than
+    these (bf16 W, rank 8: 0.71 against 0.85). Wider tiles pay off only where 16-bit W
     meets a rank above 64 (fewer re-reads of the factors per output); the stages matter only for ranks above
     MAX_BLOCK_R, whose chunks the compiler then pipelines."""
     wide = rank > 64 and weight_dtype != torch.float32
