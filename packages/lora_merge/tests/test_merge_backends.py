@@ -58,8 +58,7 @@ def test_matches_float64_reference(backend, device, dtype, rank, shape):
 @pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_ranks_beyond_one_product(backend, device, dtype):
-    """Rank 300: more than one `tl.dot` (Triton walks it in chunks of 128, the last one partial), more than one
-    rank block of the C++ op."""
+    """Rank 300: more than one `tl.dot` (Triton walks it in chunks of 128, the last one partial)."""
     weight = torch.randn(70, 150, generator=torch.Generator().manual_seed(12)).to(dtype).to(device)
     lora_A, lora_B = factors(weight.shape, 300, seed=13, device=device)
     got = merge_lora(weight, lora_A, lora_B, 0.05, backend=backend)

@@ -85,9 +85,9 @@ def tile_config(weight_dtype: torch.dtype, rank: int) -> dict:
     """Tile sizes measured on an H100 with a cold L2 (4096x11008, ranks 8-128; see the package README) rather than
     autotuned: autotuning costs seconds at the first merge of every new layer shape, must keep a full-size copy of W
     to restore between timing runs of an in-place merge, and its picks ran up to 0.15 of copy bandwidth slower than
-    these (bf16 W, rank 8: 0.71 against 0.85). Wider tiles pay off only where 16-bit W
-    meets a rank above 64 (fewer re-reads of the factors per output); the stages matter only for ranks above
-    MAX_BLOCK_R, whose chunks the compiler then pipelines."""
+    these (bf16 W, rank 8: 0.71 against 0.85). Wider tiles pay off only where 16-bit W meets a rank above 64 (fewer
+    re-reads of the factors per output); the stages matter only for ranks above MAX_BLOCK_R, whose chunks the
+    compiler then pipelines."""
     wide = rank > 64 and weight_dtype != torch.float32
     return {"BLOCK_M": 64, "BLOCK_N": 128 if wide else 64, "num_warps": 4, "num_stages": 2}
 
@@ -113,29 +113,13 @@ def merge(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: 
     left = left.to(factor_dtype).contiguous()
     right = right.to(factor_dtype).contiguous()
     block_r = max(16, min(MAX_BLOCK_R, triton.next_power_of_2(r)))
-    one_chunk = r <= block_r
-    if interpreting():
-        staged = torch.empty(m, n, dtype=torch.float32, device=weight.device)
-        grid = (triton.cdiv(m, 32), triton.cdiv(n, 32))
-        _merge_kernel[grid](
-            weight,
-            staged,
-            left,
-            right,
-            m,
-            n,
-            r,
-            scale,
-            BLOCK_M=32,
-            BLOCK_N=32,
-            BLOCK_R=block_r,
-            ONE_CHUNK=one_chunk,
-            PRECISION=precision,
-        )
-        out.copy_(staged)  # the one rounding, done by torch (the interpreter's bf16 cast truncates)
-        return
-    config = tile_config(weight.dtype, r)
+    # The interpreter: one small fixed tile, into fp32, rounded by torch (the interpreter's bf16 cast truncates).
+    config = {"BLOCK_M": 32, "BLOCK_N": 32} if interpreting() else tile_config(weight.dtype, r)
+    target = torch.empty(m, n, dtype=torch.float32, device=weight.device) if interpreting() else out
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
     _merge_kernel[grid](
-        weight, out, left, right, m, n, r, scale, BLOCK_R=block_r, ONE_CHUNK=one_chunk, PRECISION=precision, **config
-    )
+        weight, target, left, right, m, n, r, scale, BLOCK_R=block_r, ONE_CHUNK=r <= block_r, PRECISION=precision,
+        **config,
+    )  # fmt: skip
+    if target is not out:
+        out.copy_(target)  # the one rounding
