@@ -164,6 +164,21 @@ def test_cpp_op_large_outputs_written_around_the_caches(dtype):
     assert_merged_close(out, weight, lora_A, lora_B, 0.75)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpp_op_sweeps_wide_layers_in_column_chunks(dtype):
+    """Rank 512 on 2085 columns: the packed factor outgrows the op's column chunk (a quarter of L2 on CPUs with up
+    to 8 MiB of it), so each thread sweeps its rows chunk after chunk, then the 37 columns past the last panel; the
+    1030 rows end in a partial block, and out (over 4 MiB) is written around the caches."""
+    generator = torch.Generator().manual_seed(14)
+    weight = torch.randn(1030, 2085, generator=generator).to(dtype)
+    lora_A, lora_B = factors(weight.shape, 512, seed=15)
+    lora_A /= 512**0.5
+    out = torch.full_like(weight, float("nan"))
+    assert out.nbytes >= 4 << 20
+    merge_lora(weight, lora_A, lora_B, 0.5, out=out, backend="cpp")
+    assert_merged_close(out, weight, lora_A, lora_B, 0.5)
+
+
 def test_backends_agree_bitwise_on_bf16_where_rounding_is_unambiguous():
     """Same fp32 sum, same single rounding: the backends differ only where fp32 summation order matters."""
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
