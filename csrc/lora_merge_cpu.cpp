@@ -213,7 +213,8 @@ inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
     for (int64_t v = 0; v < kVecs; ++v) Vec<TO>::template store<kStream>(out + i * ld + v * kLanes, acc[i][v]);
 }
 
-// Prefetches line `line` of the R x 64 W tile that starts at `tile`.
+// Prefetches line `line` of the R x 64 W tile that starts at `tile` (prefetches never fault: rows of a tile that
+// run past the end of W are harmless).
 template <typename TW>
 inline void prefetch_tile_line(const TW* tile, int64_t ld, int64_t line) {
   constexpr int64_t kLineElems = 64 / sizeof(TW), kRowLines = kCols / kLineElems;
