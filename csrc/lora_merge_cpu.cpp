@@ -17,9 +17,8 @@
 //   one line in each of the rank loop's first steps (a burst of them at the tile's start measured 3-7% slower).
 //   The block's last tile also prefetches the next tile's panel from L2, one panel row per rank step, so the first
 //   tile on a panel does not wait for L2 (2-4% at rank 32; panels up to 16 KiB, rank 64: at rank 128 two of them
-//   crowd W out of L1, 2% slower).
-//   Taller blocks (more streams than the prefetcher tracks) measured slower, and single-tile blocks stream each panel
-//   from L2 twice as often.
+//   crowd W out of L1, 2% slower). Taller blocks (more streams than the prefetcher tracks) measured slower, and
+//   single-tile blocks stream each panel from L2 twice as often.
 // - Each thread sweeps all of its blocks across one column chunk before the next: the chunk's packed factor (a
 //   quarter of L2) stays in L2, where sweeping whole rows re-read the entire packed factor for every block, from L3
 //   once it outgrew L2 (r x n x 4 bytes: 5.6 MB at rank 128 and n = 11008). Measured 1.3x faster at rank 128, and
@@ -309,8 +308,8 @@ inline void with_tile_rows(int64_t rows, Fn&& fn) {
   }
 }
 
-// Panels per column chunk: the chunk's packed factor (r x 64 floats a panel) fills a quarter of the L2 cache.
-int64_t panels_per_chunk(int64_t r) {
+// Panels per column chunk: the chunk's packed factor fills a quarter of the L2 cache.
+int64_t panels_per_chunk(int64_t panel_bytes) {
   static const int64_t l2_bytes = [] {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
     const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -318,7 +317,7 @@ int64_t panels_per_chunk(int64_t r) {
 #endif
     return int64_t{2} << 20;
   }();
-  return std::max<int64_t>(1, l2_bytes / 4 / (r * kCols * static_cast<int64_t>(sizeof(float))));
+  return std::max<int64_t>(1, l2_bytes / 4 / panel_bytes);
 }
 
 template <bool kStream, typename TW, typename TO>
@@ -334,8 +333,9 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
         for (int64_t j = 0; j < kCols; ++j) packed[(p * r + k) * kCols + j] = scale * right[k * n + p * kCols + j];
   });
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
-  const int64_t chunk = panels_per_chunk(r);
-  const bool prefetch_panels = r * kCols * static_cast<int64_t>(sizeof(float)) <= kPrefetchPanelBytes;
+  const int64_t panel_bytes = r * kCols * static_cast<int64_t>(sizeof(float));
+  const int64_t chunk = panels_per_chunk(panel_bytes);
+  const bool prefetch_panels = panel_bytes <= kPrefetchPanelBytes;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t c0 = 0; c0 < panels; c0 += chunk) {
       const int64_t c1 = std::min(panels, c0 + chunk);
