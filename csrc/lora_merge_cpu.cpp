@@ -29,7 +29,9 @@
 // - bf16 is rounded by AVX512-BF16's vcvtne2ps2bf16 (nearest even, 32 values per instruction). It flushes fp32
 //   denormals to zero, so when a tile's results hold a zero, its pairs of vectors are checked for denormals and
 //   those that have any are rounded again by the exact integer path (one branch per tile, not per pair).
-// Built with -march=native on the machine that runs it; without AVX-512 the same code runs on narrower vectors.
+// Built with -march=native on the machine that runs it. Without AVX-512 (AVX2: 16 registers of 8 floats) a micro-tile
+// is 6 x 16 (12 accumulators) and stores are regular: the 64-column tile spilled its 48 half-registers (10x slower),
+// and non-temporal stores of half lines (a bf16 tile row is 32 bytes) measured 5x slower.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -52,8 +54,13 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;                  // floats per vector
-constexpr int64_t kVecs = 4;                    // vectors per row of a micro-tile
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // floats per vector
+constexpr int64_t kVecs = 4;    // vectors per row of a micro-tile: 6 x 4 accumulators in 32 registers
+#else
+constexpr int64_t kLanes = 8;  // AVX2: 6 x 2 accumulators, 2 factor vectors and a broadcast in 16 registers
+constexpr int64_t kVecs = 2;
+#endif
 constexpr int64_t kCols = kLanes * kVecs;       // columns per micro-tile (and per packed panel)
 constexpr int64_t kRows = 6;                    // rows per micro-tile
 constexpr int64_t kBlockRows = 2 * kRows;       // rows per work item: two micro-tiles share each panel
@@ -220,7 +227,7 @@ inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
 // run past the end of W are harmless).
 template <typename TW>
 inline void prefetch_tile_line(const TW* tile, int64_t ld, int64_t line) {
-  constexpr int64_t kLineElems = 64 / sizeof(TW), kRowLines = kCols / kLineElems;
+  constexpr int64_t kLineElems = 64 / sizeof(TW), kRowLines = std::max<int64_t>(1, kCols / kLineElems);
   __builtin_prefetch(tile + (line / kRowLines) * ld + (line % kRowLines) * kLineElems, 0, 3);
 }
 
@@ -231,7 +238,7 @@ template <int64_t R, bool kStream, typename TW, typename TO>
 inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r, const float* panel,
                        const TW* next, const float* next_panel) {
   constexpr bool kStartFromW = sizeof(TO) == 2;
-  constexpr int64_t kLines = R * kCols * sizeof(TW) / 64;
+  constexpr int64_t kLines = R * std::max<int64_t>(1, kCols * sizeof(TW) / 64);  // each row at least one line
   vfloat acc[R][kVecs];
   {
     vfloat b[kVecs];
@@ -251,7 +258,7 @@ inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int6
     for (int64_t v = 0; v < kVecs; ++v) b[v] = load_floats(panel + k * kCols + v * kLanes);
     if (next_panel != nullptr) {
       LORARL_UNROLL
-      for (int64_t v = 0; v < kVecs; ++v) __builtin_prefetch(next_panel + k * kCols + v * kLanes, 0, 3);
+      for (int64_t j = 0; j < kCols; j += 16) __builtin_prefetch(next_panel + k * kCols + j, 0, 3);  // per line
     }
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i) {
@@ -370,14 +377,17 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
 }
 
 // Non-temporal stores pay off for outputs larger than the caches, and need every vector store aligned to its size.
-bool stream_output(const at::Tensor& out) {
+// Only AVX-512 builds use them, so only those compile the streaming variants (halves the build for other CPUs).
 #if defined(__AVX512F__)
-  const int64_t row_bytes = out.size(1) * out.element_size();
-  return out.nbytes() >= static_cast<size_t>(kStreamBytes) && row_bytes % 64 == 0 &&
-         reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 64 == 0;
+constexpr bool kStreamingBuilt = true;
 #else
-  return false;
+constexpr bool kStreamingBuilt = false;
 #endif
+
+bool stream_output(const at::Tensor& out) {
+  const int64_t row_bytes = out.size(1) * out.element_size();
+  return kStreamingBuilt && out.nbytes() >= static_cast<size_t>(kStreamBytes) && row_bytes % 64 == 0 &&
+         reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 64 == 0;
 }
 
 // Calls fn with a null pointer of the C++ type of `dtype` (float32, bfloat16 or float16).
@@ -409,7 +419,10 @@ void merge_lora_cpu(const at::Tensor& weight, const at::Tensor& left, const at::
     with_storage_type(out.scalar_type(), "out", [&](auto* to) {
       using TW = std::remove_pointer_t<decltype(tw)>;
       using TO = std::remove_pointer_t<decltype(to)>;
-      const auto run = stream ? merge_cpu<true, TW, TO> : merge_cpu<false, TW, TO>;
+      auto run = merge_cpu<false, TW, TO>;
+      if constexpr (kStreamingBuilt) {
+        if (stream) run = merge_cpu<true, TW, TO>;
+      }
       run(static_cast<const TW*>(weight.const_data_ptr()), static_cast<TO*>(out.mutable_data_ptr()), weight.size(0),
           weight.size(1), left_f.const_data_ptr<float>(), right_f.const_data_ptr<float>(), left.size(1),
           static_cast<float>(scale));

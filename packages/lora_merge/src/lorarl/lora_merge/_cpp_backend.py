@@ -3,6 +3,7 @@
 import functools
 import logging
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -37,7 +38,9 @@ def load_op(with_cuda: bool) -> None:
     # The CPU the op runs on, unless LORARL_MERGE_MARCH names another target (e.g. x86-64-v3: AVX2, no AVX-512) to
     # build a portable op or test the kernel's path for narrower vectors; each target gets its own build.
     march = os.environ.get("LORARL_MERGE_MARCH", "native")
-    cpu_flags = ["-O3", f"-march={march}", "-mprefer-vector-width=512", "-ffp-contract=fast", "-fopenmp"]
+    cpu_flags = ["-O3", f"-march={march}", "-ffp-contract=fast", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64"):  # an x86-only option: GCC for ARM rejects it
+        cpu_flags.append("-mprefer-vector-width=512")
     suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
     cpp_extension.load(
         name=("lorarl_lora_merge_cuda" if with_cuda else "lorarl_lora_merge_cpu") + suffix,
