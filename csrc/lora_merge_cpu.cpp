@@ -188,7 +188,7 @@ inline __m512 as_m512(const vfloat& v) {
 }
 #endif
 
-// Rounds an R x 64 tile to TO and stores it.
+// Rounds an R x kCols tile to TO and stores it.
 template <int64_t R, bool kStream, typename TO>
 inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -223,22 +223,26 @@ inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
     for (int64_t v = 0; v < kVecs; ++v) Vec<TO>::template store<kStream>(out + i * ld + v * kLanes, acc[i][v]);
 }
 
-// Prefetches line `line` of the R x 64 W tile that starts at `tile` (prefetches never fault: rows of a tile that
+// Cache lines per row of a W tile: a row shorter than a line (AVX2's 16 bf16 columns) still takes one.
+template <typename TW>
+constexpr int64_t kRowLines = std::max<int64_t>(1, kCols * sizeof(TW) / 64);
+
+// Prefetches line `line` of the R x kCols W tile that starts at `tile` (prefetches never fault: rows of a tile that
 // run past the end of W are harmless).
 template <typename TW>
 inline void prefetch_tile_line(const TW* tile, int64_t ld, int64_t line) {
-  constexpr int64_t kLineElems = 64 / sizeof(TW), kRowLines = std::max<int64_t>(1, kCols / kLineElems);
-  __builtin_prefetch(tile + (line / kRowLines) * ld + (line % kRowLines) * kLineElems, 0, 3);
+  constexpr int64_t kLineElems = 64 / sizeof(TW);
+  __builtin_prefetch(tile + (line / kRowLines<TW>) * ld + (line % kRowLines<TW>) * kLineElems, 0, 3);
 }
 
-// One R x 64 micro-tile: out = w + left[R, r] @ panel[r, 64] (the panel holds scale * right) in vector registers,
-// rounded once, while the W tile at `next` (the one computed after this) is prefetched, and `next_panel` too unless
-// it is null (the block's last tile: the next tile starts on another panel).
+// One R x kCols micro-tile: out = w + left[R, r] @ panel[r, kCols] (the panel holds scale * right) in vector
+// registers, rounded once, while the W tile at `next` (the one computed after this) is prefetched, and `next_panel`
+// too unless it is null (the block's last tile: the next tile starts on another panel).
 template <int64_t R, bool kStream, typename TW, typename TO>
 inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r, const float* panel,
                        const TW* next, const float* next_panel) {
   constexpr bool kStartFromW = sizeof(TO) == 2;
-  constexpr int64_t kLines = R * std::max<int64_t>(1, kCols * sizeof(TW) / 64);  // each row at least one line
+  constexpr int64_t kLines = R * kRowLines<TW>;
   vfloat acc[R][kVecs];
   {
     vfloat b[kVecs];
