@@ -41,8 +41,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include <unistd.h>
 
@@ -336,8 +336,9 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
                float scale) {
   const int64_t panels = n / kCols;
   const int64_t full_cols = panels * kCols;
-  // scale * right [r, n] -> panels [n / 64][r][64]: each micro-tile then reads one contiguous r x 64 block.
-  std::vector<float> packed(static_cast<size_t>(panels * r * kCols));
+  // scale * right [r, n] -> panels [n / 64][r][64]: each micro-tile then reads one contiguous r x 64 block. Left
+  // uninitialised until packed (zero-filling it first cost 0.6-0.7% of a 4096 x 4096 rank-32 bf16 merge).
+  const std::unique_ptr<float[]> packed(new float[static_cast<size_t>(panels * r * kCols)]);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t k = 0; k < r; ++k)
