@@ -223,16 +223,19 @@ inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
     for (int64_t v = 0; v < kVecs; ++v) Vec<TO>::template store<kStream>(out + i * ld + v * kLanes, acc[i][v]);
 }
 
+// Elements of type T per 64-byte cache line.
+template <typename T>
+constexpr int64_t kLineElems = 64 / sizeof(T);
+
 // Cache lines per row of a W tile: a row shorter than a line (AVX2's 16 bf16 columns) still takes one.
 template <typename TW>
-constexpr int64_t kRowLines = std::max<int64_t>(1, kCols * sizeof(TW) / 64);
+constexpr int64_t kRowLines = std::max<int64_t>(1, kCols / kLineElems<TW>);
 
 // Prefetches line `line` of the R x kCols W tile that starts at `tile` (prefetches never fault: rows of a tile that
 // run past the end of W are harmless).
 template <typename TW>
 inline void prefetch_tile_line(const TW* tile, int64_t ld, int64_t line) {
-  constexpr int64_t kLineElems = 64 / sizeof(TW);
-  __builtin_prefetch(tile + (line / kRowLines<TW>) * ld + (line % kRowLines<TW>) * kLineElems, 0, 3);
+  __builtin_prefetch(tile + (line / kRowLines<TW>) * ld + (line % kRowLines<TW>) * kLineElems<TW>, 0, 3);
 }
 
 // One R x kCols micro-tile: out = w + left[R, r] @ panel[r, kCols] (the panel holds scale * right) in vector
@@ -262,7 +265,7 @@ inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int6
     for (int64_t v = 0; v < kVecs; ++v) b[v] = load_floats(panel + k * kCols + v * kLanes);
     if (next_panel != nullptr) {
       LORARL_UNROLL
-      for (int64_t j = 0; j < kCols; j += 16) __builtin_prefetch(next_panel + k * kCols + j, 0, 3);  // per line
+      for (int64_t j = 0; j < kCols; j += kLineElems<float>) __builtin_prefetch(next_panel + k * kCols + j, 0, 3);
     }
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i) {
@@ -336,8 +339,8 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
                float scale) {
   const int64_t panels = n / kCols;
   const int64_t full_cols = panels * kCols;
-  // scale * right [r, n] -> panels [n / 64][r][64]: each micro-tile then reads one contiguous r x 64 block. Left
-  // uninitialised until packed (zero-filling it first cost 0.6-0.7% of a 4096 x 4096 rank-32 bf16 merge).
+  // scale * right [r, n] -> panels [n / kCols][r][kCols]: each micro-tile then reads one contiguous r x kCols block.
+  // Left uninitialised until packed (zero-filling it first cost 0.6-0.7% of a 4096 x 4096 rank-32 bf16 merge).
   const std::unique_ptr<float[]> packed(new float[static_cast<size_t>(panels * r * kCols)]);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
