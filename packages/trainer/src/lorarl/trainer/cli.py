@@ -2,8 +2,10 @@
 `uv run trainer export --checkpoint DIR --merged OUT`."""
 
 import argparse
+import atexit
 import os
 import sys
+from typing import NoReturn
 
 from lorarl.trainer.config import ConfigError, help_text, load_config
 from lorarl.trainer.errors import TrainerError
@@ -76,5 +78,20 @@ def _export(argv: list[str], console) -> int:
     return 0
 
 
+def run() -> NoReturn:
+    """The `trainer` command. A torchrun rank (WORLD_SIZE > 1) runs its exit handlers, flushes its output and leaves
+    with `os._exit`, skipping the interpreter's teardown: gloo's worker threads outlive `destroy_process_group`
+    (DTensor's caches keep the group), and one that frees a collective's tensor after teardown has begun takes the GIL
+    there and aborts the rank ("terminate called without an active exception", pytorch/pytorch#190489): a finished
+    run would be reported as failed."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
