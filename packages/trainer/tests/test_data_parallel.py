@@ -56,9 +56,15 @@ def records(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_torchrun_run_with_two_ranks_learns_and_saves_a_loadable_adapter(tiny_setup, tmp_path):
-    out = tmp_path / "out"
-    done = torchrun(tiny_setup, out)
+@pytest.fixture(scope="module")
+def straight_run(tiny_setup, tmp_path_factory):
+    """One uninterrupted 12-step torchrun run with two ranks (default settings), shared by the tests below."""
+    out = tmp_path_factory.mktemp("straight")
+    return out, torchrun(tiny_setup, out)
+
+
+def test_a_torchrun_run_with_two_ranks_learns_and_saves_a_loadable_adapter(tiny_setup, straight_run):
+    out, done = straight_run
     assert done.stdout.count("done: 12 steps") == 1  # rank 0 reports; rank 1 trains silently
     rewards = [r["reward/mean"] for r in records(out)]
     assert len(rewards) == 12
@@ -68,13 +74,14 @@ def test_a_torchrun_run_with_two_ranks_learns_and_saves_a_loadable_adapter(tiny_
     assert any("lora_B" in name and p.abs().sum() > 0 for name, p in model.named_parameters())  # trained, gathered
 
 
-def test_a_resumed_two_rank_run_repeats_the_uninterrupted_one(tiny_setup, tmp_path):
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    torchrun(tiny_setup, straight, trainer__steps=4)
+def test_a_resumed_two_rank_run_repeats_the_uninterrupted_one(tiny_setup, straight_run, tmp_path):
+    """2 steps, then resumed up to 4, make the straight run's steps 3 and 4 (a constant learning rate: the first
+    steps of a run do not depend on its length)."""
+    interrupted = tmp_path / "interrupted"
     torchrun(tiny_setup, interrupted, trainer__steps=2)
     torchrun(tiny_setup, interrupted, trainer__steps=4, trainer__resume="auto")  # weights, optimizer, data, RNG
-    expected, resumed = records(straight), records(interrupted)
+    expected, resumed = records(straight_run[0]), records(interrupted)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(expected[2:], resumed[2:], strict=True):
+    for a, b in zip(expected[2:4], resumed[2:], strict=True):
         for key in ("reward/mean", "response_length/mean", "loss", "kl", "entropy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
