@@ -12,13 +12,15 @@
 //   accumulation on top of W) stay within r + 2 fp32 epsilons of the terms, far below an ulp of bf16/fp16. fp32
 //   outputs add W after the rank loop, so their error does not grow with |W|.
 // - A work item is a block of two micro-tiles (12 rows) swept across a chunk of panels: both tiles reuse each panel
-//   from L1, and W and out are walked as 12 sequential row streams the hardware prefetcher follows, helped by a
-//   software prefetch of the W lines of the tile that comes next (the next panel, or the next block's first one),
-//   one line in each of the rank loop's first steps (a burst of them at the tile's start measured 3-7% slower).
-//   The block's last tile also prefetches the next tile's panel from L2, one panel row per rank step, so the first
-//   tile on a panel does not wait for L2 (2-4% at rank 32; panels up to 16 KiB, rank 64: at rank 128 two of them
-//   crowd W out of L1, 2% slower). Taller blocks (more streams than the prefetcher tracks) measured slower, and
-//   single-tile blocks stream each panel from L2 twice as often.
+//   from L1, the second two panels behind the first (rows 4 KiB multiples apart would otherwise crowd the same L1
+//   sets: 4-7% faster at rank 8 on 4096- and 8192-column layers, measured on a 2-core Zen 4). W and out are walked
+//   as 12 sequential row streams the hardware prefetcher follows, helped by a software prefetch of the W lines of
+//   the tile that comes next on the same rows (the next panel, or the next block's first one), one line in each of
+//   the rank loop's first steps (a burst of them at the tile's start measured 3-7% slower). The last tile of each
+//   step also prefetches the panel the first tile takes next from L2, one panel row per rank step, so that tile does
+//   not wait for L2 (2-4% at rank 32; panels up to 16 KiB, rank 64: at rank 128 two of them crowd W out of L1, 2%
+//   slower). Taller blocks (more streams than the prefetcher tracks) measured slower, and single-tile blocks stream
+//   each panel from L2 twice as often.
 // - Each thread sweeps all of its blocks across one column chunk before the next: the chunk's packed factor (a
 //   quarter of L2) stays in L2, where sweeping whole rows re-read the entire packed factor for every block, from L3
 //   once it outgrew L2 (r x n x 4 bytes: 5.6 MB at rank 128 and n = 11008). Measured 1.3x faster at rank 128, and
@@ -64,6 +66,10 @@ constexpr int64_t kVecs = 2;
 constexpr int64_t kCols = kLanes * kVecs;       // columns per micro-tile (and per packed panel)
 constexpr int64_t kRows = 6;                    // rows per micro-tile
 constexpr int64_t kBlockRows = 2 * kRows;       // rows per work item: two micro-tiles share each panel
+// The second micro-tile of a block works this many panels behind the first. Rows of W are often a multiple of 4 KiB
+// apart (4096 or 8192 columns), so the same columns of all 12 rows share L1 sets: 12 lines, and 12 more prefetched
+// for the next tile, in 8-way sets. Two panels apart, each tile and its prefetch have sets of their own.
+constexpr int64_t kSkewPanels = 2;
 constexpr int64_t kStreamBytes = int64_t{4} << 20;  // outputs at least this large bypass the caches
 constexpr int64_t kPrefetchPanelBytes = int64_t{16} << 10;  // larger panels: two would crowd W out of L1
 
@@ -239,11 +245,12 @@ inline void prefetch_tile_line(const TW* tile, int64_t ld, int64_t line) {
 }
 
 // One R x kCols micro-tile: out = w + left[R, r] @ panel[r, kCols] (the panel holds scale * right) in vector
-// registers, rounded once, while the W tile at `next` (the one computed after this) is prefetched, and `next_panel`
-// too unless it is null (the block's last tile: the next tile starts on another panel).
+// registers, rounded once, while the W tile at `next` (the next one on these rows) is prefetched, and `next_panel`
+// too unless it is null (only a step's last tile prefetches a panel). Not inlined: GCC 12 inlined it into the skewed
+// block loop and spilled the accumulators (1.25x slower).
 template <int64_t R, bool kStream, typename TW, typename TO>
-inline void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r, const float* panel,
-                       const TW* next, const float* next_panel) {
+__attribute__((noinline)) void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r,
+                                          const float* panel, const TW* next, const float* next_panel) {
   constexpr bool kStartFromW = sizeof(TO) == 2;
   constexpr int64_t kLines = R * kRowLines<TW>;
   vfloat acc[R][kVecs];
@@ -356,17 +363,23 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
       const int64_t c1 = std::min(panels, c0 + chunk);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t row0 = b * kBlockRows, row1 = std::min(m, row0 + kBlockRows);
-        for (int64_t p = c0; p < c1; ++p) {
-          // The tile after this one in the thread's order: the next panel, the next block's first, or the first
-          // block's at the next chunk (clamped to the matrix at the very end).
-          const int64_t next_row0 = p + 1 < c1 ? row0 : b + 1 < b1 ? row0 + kBlockRows : b0 * kBlockRows;
-          const int64_t next_p = std::min(panels - 1, p + 1 < c1 ? p + 1 : b + 1 < b1 ? c0 : c1);
-          for (int64_t row = row0; row < row1; row += kRows) {
+        const int64_t tiles = (row1 - row0 + kRows - 1) / kRows;
+        // Tile t of the block works kSkewPanels * t panels behind the first (see kSkewPanels).
+        for (int64_t step = c0; step < c1 + kSkewPanels * (tiles - 1); ++step) {
+          const int64_t first_t = std::max<int64_t>(0, (step - c1 + kSkewPanels) / kSkewPanels);
+          const int64_t last_t = std::min(tiles - 1, (step - c0) / kSkewPanels);
+          for (int64_t t = first_t; t <= last_t; ++t) {
+            const int64_t p = step - kSkewPanels * t, row = row0 + t * kRows;
+            // The tile after this one on the same rows of a block: the next panel, the next block's first, or the
+            // first block's at the next chunk (clamped to the matrix at the very end).
+            const int64_t next_row = p + 1 < c1 ? row : b + 1 < b1 ? row + kBlockRows : b0 * kBlockRows + t * kRows;
+            const int64_t next_p = std::min(panels - 1, p + 1 < c1 ? p + 1 : b + 1 < b1 ? c0 : c1);
+            // The step's last tile prefetches the panel the first tile takes next; the others find theirs in L1.
+            const int64_t first_next_p = std::min(panels - 1, step + 1 < c1 ? step + 1 : b + 1 < b1 ? c0 : c1);
+            const float* next_panel = prefetch_panels && t == last_t ? &packed[first_next_p * r * kCols] : nullptr;
             with_tile_rows(std::min(kRows, row1 - row), [&](auto rows) {
               const int64_t at = row * n + p * kCols;
-              const int64_t next = std::min(m - 1, next_row0 + row - row0) * n + next_p * kCols;
-              const bool last_tile = row + kRows >= row1;
-              const float* next_panel = prefetch_panels && last_tile ? &packed[next_p * r * kCols] : nullptr;
+              const int64_t next = std::min(m - 1, next_row) * n + next_p * kCols;
               merge_tile<decltype(rows)::value, kStream>(w + at, out + at, n, left + row * r, r,
                                                          &packed[p * r * kCols], w + next, next_panel);
             });
