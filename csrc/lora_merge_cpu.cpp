@@ -1,7 +1,7 @@
 // CPU kernel of lorarl::merge_lora: out = weight + scale * left @ right with fp32 accumulation and one rounding, no
 // full-size temporary, parallel over blocks of rows (at::parallel_for).
 //
-// Why it is shaped like this (each point measured on a 2-core AVX-512 Xeon, see packages/lora_merge/README.md):
+// Why it is shaped like this (measured on a 2-core AVX-512 Xeon where no point says Zen 4; see lora_merge/README.md):
 // - A micro-tile is 6 rows x 64 columns: 24 fp32 accumulators in vector registers (of 32). A step of the rank loop
 //   loads 4 vectors of the right factor and broadcasts 6 values of `left` for 24 FMAs. The loop starts with a
 //   product, so no register is zeroed; the W tile is loaded before any store to out (rows are often 4 KiB multiples
@@ -13,7 +13,7 @@
 //   outputs add W after the rank loop, so their error does not grow with |W|.
 // - A work item is a block of two micro-tiles (12 rows) swept across a chunk of panels: both tiles reuse each panel
 //   from L1, the second two panels behind the first (rows 4 KiB multiples apart would otherwise crowd the same L1
-//   sets: 4-7% faster at rank 8 on 4096- and 8192-column layers, measured on a 2-core Zen 4). W and out are walked
+//   sets: 4-12% faster at rank 8 on 4096- and 8192-column layers, measured on a 2-core Zen 4). W and out are walked
 //   as 12 sequential row streams the hardware prefetcher follows, helped by a software prefetch of the W lines of
 //   the tile that comes next on the same rows (the next panel, or the next block's first one), one line in each of
 //   the rank loop's first steps (a burst of them at the tile's start measured 3-7% slower). The last tile of each
