@@ -167,8 +167,20 @@ struct Vec<c10::Half> {
     return f;
   }
   template <bool kStream>
-  static void store(c10::Half* p, vfloat f) {
+  static void store(c10::Half* p, vfloat f) {  // rounded to nearest even, 16 (AVX-512) or 8 (F16C) per instruction:
+#if defined(__AVX512F__)                       // GCC 12 converts the generic code lane by lane, 2.8x slower at rank 8
+    __m512 x;
+    std::memcpy(&x, &f, sizeof x);
+    put<kStream>(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    for (int64_t half = 0; half < kLanes / 8; ++half) {
+      __m256 x;
+      std::memcpy(&x, reinterpret_cast<const float*>(&f) + 8 * half, sizeof x);
+      put<kStream>(p + 8 * half, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+#else
     put<kStream>(p, __builtin_convertvector(f, vhalf));
+#endif
   }
 };
 #else

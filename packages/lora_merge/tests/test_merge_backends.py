@@ -132,6 +132,33 @@ def test_special_values_survive(backend, device, shape):
 
 
 @pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+@pytest.mark.parametrize("shape", [(8, 24), (12, 128)])
+def test_float16_special_values_survive(backend, device, shape):
+    values = torch.tensor([1e-7, -3e-6, float("nan"), float("inf"), -float("inf"), 65504.0, -0.0, 0.0])
+    weight = values.repeat(shape[0] * shape[1] // 8).view(shape).half().to(device)
+    lora_A, lora_B = torch.zeros(1, shape[1], device=device), torch.zeros(shape[0], 1, device=device)
+    got = merge_lora(weight, lora_A, lora_B, 1.0, backend=backend)
+    assert torch.equal(got.isnan(), weight.isnan())
+    assert torch.equal(got[~got.isnan()], weight[~weight.isnan()])  # denormals and infinities survive exactly
+
+
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+def test_float16_denormal_and_overflowing_results_are_rounded_exactly(backend, device):
+    """W normal, W + s·BA an fp16 denormal in odd rows (12 x 128: whole C++ micro-tiles), or past 65504 in row 0."""
+    weight = torch.full((12, 128), 2.0**-14).half()
+    weight[0] = 65504.0
+    lora_A = torch.ones(1, 128)
+    lora_B = torch.full((12, 1), -(2.0**-14 - 2.0**-20))
+    lora_B[::2] = 1.0
+    lora_B[0] = 32.0  # 65536: past the halfway point to the next power of two, so it rounds to infinity
+    got = merge_lora(weight.to(device), lora_A.to(device), lora_B.to(device), 1.0, backend=backend).cpu()
+    expected = merged_float64(weight, lora_A, lora_B, 1.0).to(torch.float16)
+    assert torch.equal(got, expected)
+    assert (got[1::2] == 2.0**-20).all()
+    assert got[0].isinf().all()
+
+
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
 def test_denormal_results_are_rounded_exactly(backend, device):
     """W normal, W + s·BA denormal: the AVX512-BF16 rounding (C++ op) or a GPU's flush-to-zero would give 0."""
     skip_where_bf16_denormals_are_misread(backend, device)
@@ -152,11 +179,11 @@ def test_cpp_op_with_rank_zero_copies_the_weight():
     assert torch.equal(out, weight.bfloat16())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cpp_op_large_outputs_written_around_the_caches(dtype):
     """Outputs of 4 MiB and more are written with non-temporal stores: same values, every element written."""
     generator = torch.Generator().manual_seed(9)
-    weight = torch.randn(1030, 2048 if dtype == torch.bfloat16 else 1024, generator=generator).to(dtype)
+    weight = torch.randn(1030, 1024 if dtype == torch.float32 else 2048, generator=generator).to(dtype)
     lora_A, lora_B = factors(weight.shape, 8)
     out = torch.full_like(weight, float("nan"))
     assert out.nbytes >= 4 << 20
