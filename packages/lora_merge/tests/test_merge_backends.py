@@ -119,27 +119,24 @@ def test_rank_zero_and_zero_scale_copy_the_weight(backend, device):
     assert torch.equal(merge_lora(weight, lora_A, lora_B, 0.0, backend=backend), weight)
 
 
+SPECIAL_VALUES = {  # per dtype: two denormals, NaN, infinities, the largest finite value's order, zeros
+    torch.bfloat16: [1e-39, -3e-39, float("nan"), float("inf"), -float("inf"), 3.0e38, -0.0, 0.0],
+    torch.float16: [1e-7, -3e-6, float("nan"), float("inf"), -float("inf"), 65504.0, -0.0, 0.0],
+}
+
+
 @pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+@pytest.mark.parametrize("dtype", list(SPECIAL_VALUES))
 @pytest.mark.parametrize("shape", [(8, 24), (12, 128)])  # C++ op: scalar edge columns; whole vector micro-tiles
-def test_special_values_survive(backend, device, shape):
-    skip_where_bf16_denormals_are_misread(backend, device)
-    values = torch.tensor([1e-39, -3e-39, float("nan"), float("inf"), -float("inf"), 3.0e38, -0.0, 0.0])
-    weight = values.repeat(shape[0] * shape[1] // 8).view(shape).bfloat16().to(device)
+def test_special_values_survive(backend, device, dtype, shape):
+    if dtype == torch.bfloat16:
+        skip_where_bf16_denormals_are_misread(backend, device)
+    values = torch.tensor(SPECIAL_VALUES[dtype])
+    weight = values.repeat(shape[0] * shape[1] // 8).view(shape).to(dtype).to(device)
     lora_A, lora_B = torch.zeros(1, shape[1], device=device), torch.zeros(shape[0], 1, device=device)
     got = merge_lora(weight, lora_A, lora_B, 1.0, backend=backend)
     assert torch.equal(got.isnan(), weight.isnan())
     assert torch.equal(got[~got.isnan()], weight[~weight.isnan()])  # denormals, infinities and -0 survive exactly
-
-
-@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
-@pytest.mark.parametrize("shape", [(8, 24), (12, 128)])
-def test_float16_special_values_survive(backend, device, shape):
-    values = torch.tensor([1e-7, -3e-6, float("nan"), float("inf"), -float("inf"), 65504.0, -0.0, 0.0])
-    weight = values.repeat(shape[0] * shape[1] // 8).view(shape).half().to(device)
-    lora_A, lora_B = torch.zeros(1, shape[1], device=device), torch.zeros(shape[0], 1, device=device)
-    got = merge_lora(weight, lora_A, lora_B, 1.0, backend=backend)
-    assert torch.equal(got.isnan(), weight.isnan())
-    assert torch.equal(got[~got.isnan()], weight[~weight.isnan()])  # denormals and infinities survive exactly
 
 
 @pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
