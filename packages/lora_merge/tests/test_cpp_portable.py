@@ -17,7 +17,7 @@ CASES = [  # (shape, rank, weight dtype, out dtype): edges, whole tiles, row rem
     ((64, 128), 1, torch.float32, torch.float32),
     ((1030, 2048), 16, torch.bfloat16, torch.bfloat16),
     ((70, 192), 16, torch.float32, torch.bfloat16),
-    ((40, 2085), 512, torch.bfloat16, torch.bfloat16),  # column chunks (L2 up to 16 MiB), 5 edge columns
+    ((40, 2085), 512, torch.bfloat16, torch.bfloat16),  # column chunks (4 MiB of packed factor), 5 edge columns
 ]
 
 SCRIPT = """

@@ -190,9 +190,9 @@ def test_cpp_op_large_outputs_written_around_the_caches(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpp_op_sweeps_wide_layers_in_column_chunks(dtype):
-    """Rank 512 on 2085 columns: the packed factor outgrows the op's column chunk (a quarter of L2 on CPUs with up
-    to 8 MiB of it), so each thread sweeps its rows chunk after chunk, then the 37 columns past the last panel; the
-    1030 rows end in a partial block, and out (over 4 MiB) is written around the caches."""
+    """Rank 512 on 2085 columns: the packed factor (4 MiB) outgrows the op's column chunk (at most 512 KiB), so
+    each thread sweeps its rows chunk after chunk, then the 37 columns past the last panel; the 1030 rows end in a
+    partial block, and out (over 4 MiB) is written around the caches."""
     generator = torch.Generator().manual_seed(14)
     weight = torch.randn(1030, 2085, generator=generator).to(dtype)
     lora_A, lora_B = factors(weight.shape, 512, seed=15)
