@@ -37,9 +37,7 @@ SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192)]
 QUICK_SHAPES = [(4096, 4096), (4096, 11008)]
 RANKS = [8, 32, 128]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-CPU_WARMUP_SECONDS = 0.02
+CPU_WARMUP_SECONDS = 0.02  # each CPU timing follows this long of calls to the same function (see cpu_seconds)
 
 
 def cpu_seconds(fn: Callable[[], object]) -> float:
