@@ -381,18 +381,22 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t row0 = b * kBlockRows, row1 = std::min(m, row0 + kBlockRows);
         const int64_t tiles = (row1 - row0 + kRows - 1) / kRows;
+        // The panel a tile on panel q takes next on its rows: the next one, or the next block's (or next chunk's)
+        // first (clamped to the matrix at the very end).
+        const auto panel_after = [&](int64_t q) {
+          return std::min(panels - 1, q + 1 < c1 ? q + 1 : b + 1 < b1 ? c0 : c1);
+        };
         // Tile t of the block works kSkewPanels * t panels behind the first (see kSkewPanels).
         for (int64_t step = c0; step < c1 + kSkewPanels * (tiles - 1); ++step) {
           const int64_t first_t = std::max<int64_t>(0, (step - c1 + kSkewPanels) / kSkewPanels);
           const int64_t last_t = std::min(tiles - 1, (step - c0) / kSkewPanels);
           // The step's last tile prefetches the panel the first tile takes next; the others find theirs in L1.
-          const int64_t first_next_p = std::min(panels - 1, step + 1 < c1 ? step + 1 : b + 1 < b1 ? c0 : c1);
+          const int64_t first_next_p = panel_after(step);
           for (int64_t t = first_t; t <= last_t; ++t) {
             const int64_t p = step - kSkewPanels * t, row = row0 + t * kRows;
-            // The tile after this one on the same rows of a block: the next panel, the next block's first, or the
-            // first block's at the next chunk (clamped to the matrix at the very end).
+            // The rows of the tile after this one: these, the next block's, or the first block's at the next chunk.
             const int64_t next_row = p + 1 < c1 ? row : b + 1 < b1 ? row + kBlockRows : b0 * kBlockRows + t * kRows;
-            const int64_t next_p = std::min(panels - 1, p + 1 < c1 ? p + 1 : b + 1 < b1 ? c0 : c1);
+            const int64_t next_p = panel_after(p);
             const float* next_panel = prefetch_panels && t == last_t ? &packed[first_next_p * r * kCols] : nullptr;
             with_tile_rows(std::min(kRows, row1 - row), [&](auto rows) {
               const int64_t at = row * n + p * kCols;
