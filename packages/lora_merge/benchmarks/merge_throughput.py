@@ -262,7 +262,8 @@ def main() -> None:
     if not args.no_model:
         for case in model_case(args, device):
             print_case(case)
-    cpu_default_backend = "cpp" if "cpp" in available_backends("cpu") else "torch"
+    # what `backend="auto"` runs on CPU (asked of this run's device: a GPU run holds the op built with CUDA)
+    cpu_default_backend = "cpp" if "cpp" in available_backends(device) else "torch"
     checked, misses = target_misses(cases, device.type, cpu_default_backend)
     if checked:
         print_case({"case": "targets", "device": device.type, "checked": checked, "met": not misses, "misses": misses})
