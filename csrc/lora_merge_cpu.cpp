@@ -19,7 +19,7 @@
 //   the rank loop's first steps (a burst of them at the tile's start measured 3-7% slower). The last tile of each
 //   step also prefetches the panel the first tile takes next from L2, one panel row per rank step, so that tile does
 //   not wait for L2 (2-4% at rank 32; panels up to 16 KiB, rank 64: at rank 128 two of them crowd W out of L1, 2%
-//   slower). Taller blocks (more streams than the prefetcher tracks) measured slower, and single-tile blocks stream
+//   slower; and from 4 KiB, rank 16: at rank 8 the prefetches cost 1-2% more than they saved on a Zen 4). Taller blocks (more streams than the prefetcher tracks) measured slower, and single-tile blocks stream
 //   each panel from L2 twice as often.
 // - Each thread sweeps all of its blocks across one column chunk before the next: the chunk's packed factor (half of
 //   L2, at most 512 KiB) stays in L2, where sweeping whole rows re-read the entire packed factor for every block,
@@ -73,6 +73,7 @@ constexpr int64_t kBlockRows = 2 * kRows;       // rows per work item: two micro
 constexpr int64_t kSkewPanels = 2;
 constexpr int64_t kStreamBytes = int64_t{4} << 20;  // outputs at least this large bypass the caches
 constexpr int64_t kPrefetchPanelBytes = int64_t{16} << 10;  // larger panels: two would crowd W out of L1
+constexpr int64_t kMinPrefetchPanelBytes = int64_t{4} << 10;  // smaller panels: the prefetches cost more than they save
 
 // Fully unrolled small loops keep a micro-tile in registers (the compiler would otherwise keep it on the stack), and
 // give the prefetches in the first rank steps constant offsets.
@@ -207,6 +208,16 @@ inline __m512 as_m512(const vfloat& v) {
 }
 #endif
 
+// Returns v unchanged, hidden from the optimiser: address arithmetic on the result is done where it is used. Without
+// it GCC 12 computed the prefetch and store addresses of a tile (and those of the rare denormal path) at the tile's
+// start and spilled ~20 of them to the stack across the rank loop: stores that queue behind the non-temporal ones
+// (1.5-2.5% at rank 8 on a Zen 4, paired A/B runs).
+template <typename T>
+inline T opaque(T v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
 // Rounds an R x kCols tile to TO and stores it.
 template <int64_t R, bool kStream, typename TO>
 inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
@@ -224,6 +235,8 @@ inline void store_tile(TO* out, int64_t ld, const vfloat (&acc)[R][kVecs]) {
       }
     if (__builtin_expect(zeros == 0, 1)) return;
     // Rare: a zero result, maybe a flushed denormal; the pairs that hold denormals are rounded again, exactly.
+    out = opaque(out);
+    ld = opaque(ld);
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i)
       LORARL_UNROLL
@@ -296,23 +309,26 @@ __attribute__((noinline)) void merge_tile(const TW* w, TO* out, int64_t ld, cons
   };
   int64_t k = 1;
   if (r > kLines) {  // the first steps each prefetch one line, with constant offsets
+    const int64_t next_ld = opaque(ld);
     LORARL_UNROLL
     for (int64_t line = 0; line < kLines; ++line) {
-      prefetch_tile_line(next, ld, line);
+      prefetch_tile_line(next, next_ld, line);
       rank_step(k + line);
     }
     k += kLines;
   }
   for (; k < r; ++k) rank_step(k);
-  if (r <= kLines)
-    for (int64_t line = 0; line < kLines; ++line) prefetch_tile_line(next, ld, line);
+  if (r <= kLines) {
+    const int64_t next_ld = opaque(ld);
+    for (int64_t line = 0; line < kLines; ++line) prefetch_tile_line(next, next_ld, line);
+  }
   if constexpr (!kStartFromW) {
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i)
       LORARL_UNROLL
       for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += Vec<TW>::load(w + i * ld + v * kLanes);
   }
-  store_tile<R, kStream>(out, ld, acc);
+  store_tile<R, kStream>(out, opaque(ld), acc);
 }
 
 // Rows [row0, row1) x columns [col0, col1), one element at a time: columns that do not fill a panel.
@@ -374,7 +390,7 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
   const int64_t panel_bytes = r * kCols * static_cast<int64_t>(sizeof(float));
   const int64_t chunk = panels_per_chunk(panel_bytes);
-  const bool prefetch_panels = panel_bytes <= kPrefetchPanelBytes;
+  const bool prefetch_panels = panel_bytes >= kMinPrefetchPanelBytes && panel_bytes <= kPrefetchPanelBytes;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t c0 = 0; c0 < panels; c0 += chunk) {
       const int64_t c1 = std::min(panels, c0 + chunk);
