@@ -19,8 +19,9 @@
 //   the rank loop's first steps (a burst of them at the tile's start measured 3-7% slower). The last tile of each
 //   step also prefetches the panel the first tile takes next from L2, one panel row per rank step, so that tile does
 //   not wait for L2 (2-4% at rank 32; panels up to 16 KiB, rank 64: at rank 128 two of them crowd W out of L1, 2%
-//   slower; and from 4 KiB, rank 16: at rank 8 the prefetches cost 1-2% more than they saved on a Zen 4). Taller blocks (more streams than the prefetcher tracks) measured slower, and single-tile blocks stream
-//   each panel from L2 twice as often.
+//   slower; and from 4 KiB, rank 16: at rank 8 the prefetches cost 1-2% more than they saved on a Zen 4). Taller
+//   blocks (more streams than the prefetcher tracks) measured slower, and single-tile blocks stream each panel from
+//   L2 twice as often.
 // - Each thread sweeps all of its blocks across one column chunk before the next: the chunk's packed factor (half of
 //   L2, at most 512 KiB) stays in L2, where sweeping whole rows re-read the entire packed factor for every block,
 //   from L3 once it outgrew L2 (r x n x 4 bytes: 5.6 MB at rank 128 and n = 11008). Measured 1.3x faster at rank
