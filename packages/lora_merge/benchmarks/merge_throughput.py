@@ -7,6 +7,9 @@ Per layer case (shape, rank, dtype, backend):
   ratio_to_roofline  roofline / merge time, roofline = max(copy time, 2·r·out·in / GEMM rate), the GEMM rate being
                      `torch.mm` on 2048² matrices in the dtype the kernel computes in (fp32 here)
   speedup_vs_peft    peft's merge of the same layer (a real peft LoRA Linear: `get_delta_weight` + add) / merge time
+  fresh_out_seconds  median time of `merge_lora(W, A, B, s)`: into a new tensor, as `iter_merged_weights` merges
+  fresh_out_speedup  time of the same merge into a new `torch.empty_like(W)` / fresh_out_seconds (large CPU outputs
+                     are allocated on 2 MiB pages instead of being faulted in 4 KiB at a time)
 The merge, the copy, peft and the GEMM are timed in turn, repetition after repetition, so drift of a noisy machine
 hits all of them alike; medians are reported.
 
@@ -116,6 +119,13 @@ def peft_merge(layer: nn.Module, weight: torch.Tensor, out: torch.Tensor) -> Non
     torch.add(weight, layer.get_delta_weight("default"), out=out)
 
 
+def merge_into_empty_like(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, backend: str
+) -> torch.Tensor:
+    """A merge into a new tensor from torch's allocator: the baseline of `fresh_out_speedup`."""
+    return merge_lora(weight, lora_A, lora_B, scale, out=torch.empty_like(weight), backend=backend)
+
+
 def layer_cases(args: argparse.Namespace, device: torch.device):
     gemm_a = torch.randn(2048, 2048, device=device)
     gemm_b = torch.randn(2048, 2048, device=device)
@@ -139,6 +149,8 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
                         "merge": functools.partial(merge_lora, weight, lora_A, lora_B, scale, out=out, backend=backend),
                         "copy": functools.partial(out.copy_, weight),
                         "peft": functools.partial(peft_merge, layer, weight, out),
+                        "fresh": functools.partial(merge_lora, weight, lora_A, lora_B, scale, backend=backend),
+                        "fresh_torch": functools.partial(merge_into_empty_like, weight, lora_A, lora_B, scale, backend),
                         "gemm": functools.partial(torch.mm, gemm_a, gemm_b, out=gemm_out),
                     }
                     with torch.no_grad():
@@ -158,6 +170,8 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
                         "ratio_to_copy": t["copy"] / t["merge"],
                         "ratio_to_roofline": roofline / t["merge"],
                         "speedup_vs_peft": t["peft"] / t["merge"],
+                        "fresh_out_seconds": t["fresh"],
+                        "fresh_out_speedup": t["fresh_torch"] / t["fresh"],
                         "copy_seconds": t["copy"],
                         "peft_seconds": t["peft"],
                         "gemm_gflops": gemm_rate / 1e9,

@@ -6,10 +6,12 @@ import weakref
 
 import pytest
 import torch
-from merge_reference import ulp
+from merge_reference import assert_merged_close, ulp
 from peft import LoHaConfig, LoraConfig, get_peft_model
+from torch import nn
 
 from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
+from lorarl.lora_merge._output import HUGE_PAGE_BYTES
 
 
 def lora(model, **config):
@@ -144,6 +146,19 @@ def test_streams_one_module_at_a_time(make_qwen2):
         gc.collect()
         assert sum(ref() is not None for ref in alive) == 0
     assert len(alive) == 2 * 7  # every LoRA layer was merged
+
+
+def test_a_large_layer_is_merged_into_memory_on_huge_pages():
+    """A 32 MiB merged weight goes to a fresh 2 MiB-aligned tensor (see lorarl.lora_merge._output). Checked against
+    float64: over 16M elements some cancel, where peft's double rounding and ours differ by more than an ulp."""
+    torch.manual_seed(5)
+    model = lora(nn.Sequential(nn.Linear(8192, 2048, bias=False, dtype=torch.bfloat16)), r=4, target_modules=["0"])
+    layer = model.base_model.model[0]
+    [(name, merged)] = list(iter_merged_weights(model))
+    assert name == "0.weight"
+    assert merged.data_ptr() % HUGE_PAGE_BYTES == 0
+    factors = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    assert_merged_close(merged, layer.base_layer.weight, *factors)
 
 
 def test_zero_drift_where_peft_bf16_merge_unmerge_drifts(make_qwen2):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from lorarl.lora_merge import _cpp_backend, _torch_backend
+from lorarl.lora_merge._output import empty_output
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,7 +60,7 @@ def merge_lora(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
     if out is None:
-        out = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        out = empty_output(weight.shape, weight.dtype, weight.device)
     else:
         _check_tensor(out, "out", WEIGHT_DTYPES)
         if out.shape != weight.shape or out.device != weight.device:

@@ -19,6 +19,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
+from lorarl.lora_merge._output import empty_output
 from lorarl.lora_merge.merge import merge_lora
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
@@ -85,7 +86,7 @@ class _Merger:
         if not factors or self.specs_only:
             return self.plain(weight)
         fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
-        out = torch.empty(weight.shape, dtype=self.dtype or weight.dtype, device=weight.device)
+        out = empty_output(weight.shape, self.dtype or weight.dtype, weight.device)
         if len(factors) == 1:
             lora_A, lora_B, scale = factors[0]
         else:  # several active adapters: one merge over the concatenated ranks, so still one rounding

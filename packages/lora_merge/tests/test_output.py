@@ -1,0 +1,68 @@
+"""Fresh outputs of large CPU merges live on memory advised for 2 MiB pages (`lorarl.lora_merge._output`): they hold
+the merge's values, the memory lives exactly as long as the tensor (and its views), and other outputs are torch's."""
+
+import gc
+import sys
+
+import pytest
+import torch
+from merge_reference import assert_merged_close
+
+from lorarl.lora_merge import merge_lora
+from lorarl.lora_merge._output import HUGE_PAGE_BYTES, MAPPED_AFRESH_BYTES, empty_output
+
+CPU = torch.device("cpu")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+def mappings() -> dict[tuple[int, int], set[str]]:
+    """This process's memory mappings, (start, end) -> the kernel's VmFlags ("hg": advised for huge pages)."""
+    found, span = {}, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                span = tuple(int(x, 16) for x in head.split("-"))
+            elif head == "VmFlags:":
+                found[span] = set(line.split()[1:])
+    return found
+
+
+def mapping_of(address: int) -> tuple[tuple[int, int], set[str]]:
+    [(span, flags)] = [(span, flags) for span, flags in mappings().items() if span[0] <= address < span[1]]
+    return span, flags
+
+
+@linux_only
+def test_a_large_merge_without_out_is_written_to_memory_advised_for_huge_pages():
+    weight = torch.randn(2048, 8192, generator=torch.Generator().manual_seed(3)).bfloat16()  # 32 MiB
+    generator = torch.Generator().manual_seed(4)
+    lora_A, lora_B = torch.randn(8, 8192, generator=generator), torch.randn(2048, 8, generator=generator)
+    merged = merge_lora(weight, lora_A, lora_B, 0.5)
+    assert merged.nbytes == MAPPED_AFRESH_BYTES
+    assert merged.is_contiguous()
+    assert merged.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert "hg" in mapping_of(merged.data_ptr())[1]
+    gc.collect()
+    assert_merged_close(merged, weight, lora_A, lora_B, 0.5)
+
+
+@linux_only
+def test_the_memory_lives_as_long_as_the_tensor_or_a_view_of_it():
+    out = empty_output((MAPPED_AFRESH_BYTES // 4 + 1,), torch.float32, CPU)
+    out.fill_(2.0)
+    view = out[1:]
+    span, _ = mapping_of(view.data_ptr())
+    del out
+    gc.collect()
+    assert view.sum().item() == 2.0 * view.numel()  # still mapped, still holding what was written
+    del view
+    gc.collect()
+    assert span not in mappings()  # unmapped with the last view
+
+
+def test_small_and_non_cpu_outputs_are_plain_torch_tensors():
+    small = empty_output((7, 5), torch.bfloat16, CPU)
+    assert (small.shape, small.dtype, small.device) == ((7, 5), torch.bfloat16, CPU)
+    large_meta = empty_output((MAPPED_AFRESH_BYTES, 2), torch.float32, torch.device("meta"))
+    assert (large_meta.shape, large_meta.device.type) == ((MAPPED_AFRESH_BYTES, 2), "meta")
