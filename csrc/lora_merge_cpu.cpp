@@ -28,9 +28,9 @@
 //   128, and the next-tile prefetch 1.25x on narrow layers (n = 256), where every block began with a cold tile.
 //   512 KiB measured best on a Xeon with 2 MiB of L2 (against 128 KiB to 1 MiB); on a Zen 4 with 1 MiB, half of it
 //   measured 3-6% faster than a quarter at rank 8 (fewer chunks: each row is walked as fewer, longer streams).
-// - Outputs of at least kStreamBytes are written with non-temporal stores: lines that are overwritten whole are not
-//   read first (a third of a plain merge's memory traffic), and the caches are not flushed by a tensor that is
-//   handed on, not read back here.
+// - Outputs of at least kStreamBytes are written with non-temporal stores (not in place: see stream_output): lines
+//   that are overwritten whole are not read first (a third of a plain merge's memory traffic), and the caches are
+//   not flushed by a tensor that is handed on, not read back here.
 // - bf16 is rounded by AVX512-BF16's vcvtne2ps2bf16 (nearest even, 32 values per instruction). It flushes fp32
 //   denormals to zero, so when a tile's results hold a zero, its pairs of vectors are checked for denormals and
 //   those that have any are rounded again by the exact integer path (one branch per tile, not per pair).
@@ -437,16 +437,20 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const float* left, co
 
 // Non-temporal stores pay off for outputs larger than the caches, and need every vector store aligned to its size.
 // Only AVX-512 builds use them, so only those compile the streaming variants (halves the build for other CPUs).
+// Not in place (out is weight): a tile's lines were just read into the caches, where a regular store hits, while a
+// non-temporal store to a cached line is slow (in-place merges of 4096 x 4096 at rank 8 on a 2-core Zen 4 took
+// 1.68x as long for bf16 and 1.45x for fp32, interleaved A/B).
 #if defined(__AVX512F__)
 constexpr bool kStreamingBuilt = true;
 #else
 constexpr bool kStreamingBuilt = false;
 #endif
 
-bool stream_output(const at::Tensor& out) {
+bool stream_output(const at::Tensor& weight, const at::Tensor& out) {
   const int64_t row_bytes = out.size(1) * out.element_size();
   return kStreamingBuilt && out.nbytes() >= static_cast<size_t>(kStreamBytes) && row_bytes % 64 == 0 &&
-         reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 64 == 0;
+         reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 64 == 0 &&
+         out.const_data_ptr() != weight.const_data_ptr();
 }
 
 // Calls fn with a null pointer of the C++ type of `dtype` (float32, bfloat16 or float16).
@@ -473,7 +477,7 @@ void merge_lora_cpu(const at::Tensor& weight, const at::Tensor& left, const at::
   }
   const at::Tensor left_f = left.to(at::kFloat).contiguous();
   const at::Tensor right_f = right.to(at::kFloat).contiguous();
-  const bool stream = stream_output(out);
+  const bool stream = stream_output(weight, out);
   with_storage_type(weight.scalar_type(), "weight", [&](auto* tw) {
     with_storage_type(out.scalar_type(), "out", [&](auto* to) {
       using TW = std::remove_pointer_t<decltype(tw)>;

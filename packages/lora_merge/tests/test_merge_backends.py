@@ -189,6 +189,19 @@ def test_cpp_op_large_outputs_written_around_the_caches(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpp_op_large_merges_in_place(dtype):
+    """In place, outputs of 4 MiB and more are written by regular stores (their lines were just read into the
+    caches): every element merged once, from the weight as it was."""
+    generator = torch.Generator().manual_seed(10)
+    weight = torch.randn(1030, 1024 if dtype == torch.float32 else 2048, generator=generator).to(dtype)
+    lora_A, lora_B = factors(weight.shape, 8, seed=11)
+    merged = weight.clone()
+    assert merged.nbytes >= 4 << 20
+    merge_lora_(merged, lora_A, lora_B, 0.75, backend="cpp")
+    assert_merged_close(merged, weight, lora_A, lora_B, 0.75)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpp_op_sweeps_wide_layers_in_column_chunks(dtype):
     """Rank 512 on 2085 columns: the packed factor (4 MiB) outgrows the op's column chunk (at most 512 KiB), so
     each thread sweeps its rows chunk after chunk, then the 37 columns past the last panel; the 1030 rows end in a
