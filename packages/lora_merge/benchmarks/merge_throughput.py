@@ -13,8 +13,9 @@ Per layer case (shape, rank, dtype, backend):
 The merge, the copy, peft and the GEMM are timed in turn, repetition after repetition, so drift of a noisy machine
 hits all of them alike; medians are reported.
 
-Whole-model case: stream every merged weight of a random Qwen2-0.5B-shaped bf16 model through `iter_merged_weights`
-vs peft's `merge_adapter()` + `unmerge_adapter()` (what peers do before each weight sync).
+Whole-model cases (random bf16 models: Qwen2-0.5B's shape, and four decoder layers of Llama-2-7B's): stream every
+merged weight through `iter_merged_weights` vs peft's `merge_adapter()` + `unmerge_adapter()` (what peers do before
+each weight sync); `ratio_to_preallocated`: the same merges into outputs allocated once / the stream's time.
 
     uv run python packages/lora_merge/benchmarks/merge_throughput.py [--quick]
 
@@ -197,46 +198,68 @@ def target_misses(cases: list[dict], device_type: str, cpu_default_backend: str)
     return len(applies), misses
 
 
-def qwen2_half_b(device: torch.device) -> nn.Module:
-    """A random Qwen2.5-0.5B-shaped model in bf16 (494M parameters), built without HF's slow weight init."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def random_bf16_model(config, device: torch.device) -> nn.Module:
+    """A random bf16 causal LM of `config`'s shape, built without HF's slow weight init."""
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model = model.to_empty(device=device).to(torch.bfloat16)
-    model.tie_weights()  # to_empty gave the tied lm_head a storage of its own
+    model.tie_weights()  # to_empty gave a tied lm_head a storage of its own
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
     return model
 
 
-def model_case(args: argparse.Namespace, device: torch.device, rank: int = 32):
+def whole_models() -> dict[str, object]:
+    """The whole-model cases: Qwen2.5-0.5B's shape (494M parameters, every layer under 32 MiB), and four decoder layers
+    of Llama-2-7B's shape (1.1B parameters; 32-86 MiB layers, which merges write to memory on 2 MiB pages, reused)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    return {
+        "qwen2-0.5b-shaped": Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, tie_word_embeddings=True,
+        ),
+        "llama-7b-shaped-4-layers": LlamaConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4, num_attention_heads=32,
+            num_key_value_heads=32,
+        ),
+    }  # fmt: skip
+
+
+def model_case(args: argparse.Namespace, device: torch.device, name: str, config: object, rank: int = 32):
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
 
     model = get_peft_model(
-        qwen2_half_b(device),
+        random_bf16_model(config, device),
         LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False),
     )
     parameters = sum(p.numel() for p in model.get_base_model().parameters() if not p.requires_grad)
+    lora_layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    outs = [torch.empty_like(m.get_base_layer().weight) for m in lora_layers]
 
     def stream() -> None:
         for _ in iter_merged_weights(model):
             pass
 
+    def merge_into_preallocated() -> None:  # the same merges, into outputs allocated once: the floor of a stream
+        for m, out in zip(lora_layers, outs, strict=True):
+            lora_A, lora_B = m.lora_A["default"].weight, m.lora_B["default"].weight
+            merge_lora(m.get_base_layer().weight, lora_A, lora_B, m.scaling["default"], out=out)
+
     def peft_merge_unmerge() -> None:
         model.merge_adapter()
         model.unmerge_adapter()
 
+    fns = {"stream": stream, "preallocated": merge_into_preallocated, "peft": peft_merge_unmerge}
     with torch.no_grad():
-        t = interleaved({"stream": stream, "peft": peft_merge_unmerge}, device, args.min_seconds, min(args.min_reps, 3))
+        t = interleaved(fns, device, args.min_seconds, min(args.min_reps, 3))
     yield {
         "case": "model",
-        "model": "qwen2-0.5b-shaped",
+        "model": name,
         "parameters": parameters,
         "rank": rank,
         "dtype": "bf16",
@@ -244,6 +267,7 @@ def model_case(args: argparse.Namespace, device: torch.device, rank: int = 32):
         "seconds": t["stream"],
         "peft_seconds": t["peft"],
         "speedup_vs_peft": t["peft"] / t["stream"],
+        "ratio_to_preallocated": t["preallocated"] / t["stream"],
     }
 
 
@@ -274,8 +298,9 @@ def main() -> None:
         print_case(case)
         cases.append(case)
     if not args.no_model:
-        for case in model_case(args, device):
-            print_case(case)
+        for name, config in whole_models().items():
+            for case in model_case(args, device, name, config):
+                print_case(case)
     # what `backend="auto"` runs on CPU (asked of this run's device: a GPU run holds the op built with CUDA)
     cpu_default_backend = "cpp" if "cpp" in available_backends(device) else "torch"
     checked, misses = target_misses(cases, device.type, cpu_default_backend)

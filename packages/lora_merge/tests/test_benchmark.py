@@ -41,6 +41,20 @@ def test_layer_cases_run_every_backend_on_a_tiny_layer(bench, monkeypatch):
     assert checked == (len(bench.DTYPES) if "cpp" in backends else 0)
 
 
+def test_model_case_runs_on_a_tiny_model(bench):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    args = argparse.Namespace(min_seconds=0.0, min_reps=1)
+    [case] = bench.model_case(args, torch.device("cpu"), "tiny", config, rank=4)
+    assert (case["model"], case["rank"]) == ("tiny", 4)
+    assert case["parameters"] == 2 * 64 * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32  # embeddings, layer, norms
+    assert all(case[k] > 0 for k in ("seconds", "peft_seconds", "speedup_vs_peft", "ratio_to_preallocated"))
+
+
 def test_cpu_targets_apply_to_the_default_backend_at_rank_32_or_less(bench):
     cases = [
         case("cpp", 8, ratio_to_roofline=0.79),

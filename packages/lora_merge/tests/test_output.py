@@ -1,5 +1,6 @@
 """Fresh outputs of large CPU merges live on memory advised for 2 MiB pages (`lorarl.lora_merge._output`): they hold
-the merge's values, the memory lives exactly as long as the tensor (and its views), and other outputs are torch's."""
+the merge's values, the memory lives as long as the tensor (and its views), a stream reuses it only once no tensor
+uses it, and other outputs are torch's."""
 
 import gc
 import sys
@@ -9,9 +10,10 @@ import torch
 from merge_reference import assert_merged_close
 
 from lorarl.lora_merge import merge_lora
-from lorarl.lora_merge._output import HUGE_PAGE_BYTES, MAPPED_AFRESH_BYTES, empty_output
+from lorarl.lora_merge._output import HUGE_PAGE_BYTES, MAPPED_AFRESH_BYTES, OutputMemory, empty_output
 
 CPU = torch.device("cpu")
+LARGE = (MAPPED_AFRESH_BYTES // 4,)  # float32 elements
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
 
@@ -66,3 +68,38 @@ def test_small_and_non_cpu_outputs_are_plain_torch_tensors():
     assert (small.shape, small.dtype, small.device) == ((7, 5), torch.bfloat16, CPU)
     large_meta = empty_output((MAPPED_AFRESH_BYTES, 2), torch.float32, torch.device("meta"))
     assert (large_meta.shape, large_meta.device.type) == ((MAPPED_AFRESH_BYTES, 2), "meta")
+
+
+def test_a_stream_reuses_the_memory_of_an_output_no_tensor_uses_any_more():
+    outputs = OutputMemory()
+    first = outputs.empty(LARGE, torch.float32, CPU).fill_(1.0)
+    second = outputs.empty(LARGE, torch.float32, CPU).fill_(2.0)  # the first is still held: new memory
+    assert second.data_ptr() != first.data_ptr()
+    first_address = first.data_ptr()
+    del first
+    third = outputs.empty(LARGE, torch.float32, CPU).fill_(3.0)
+    assert third.data_ptr() == first_address
+    assert (second == 2.0).all()
+
+
+def test_a_view_keeps_the_memory_in_use():
+    outputs = OutputMemory()
+    first = outputs.empty(LARGE, torch.float32, CPU).fill_(1.0)
+    view = first[1:]
+    del first
+    second = outputs.empty(LARGE, torch.float32, CPU).fill_(2.0)
+    third = outputs.empty(LARGE, torch.float32, CPU).fill_(3.0)  # the view still uses the first's memory
+    assert len({view.data_ptr() - 4, second.data_ptr(), third.data_ptr()}) == 3
+    assert (view == 1.0).all()
+    assert (second == 2.0).all()
+
+
+@linux_only
+def test_free_memory_too_small_for_the_next_output_is_unmapped():
+    outputs = OutputMemory()
+    small = outputs.empty(LARGE, torch.float32, CPU)
+    span, _ = mapping_of(small.data_ptr())
+    del small
+    larger = outputs.empty((2 * LARGE[0],), torch.float32, CPU)
+    assert span not in mappings()
+    assert "hg" in mapping_of(larger.data_ptr())[1]

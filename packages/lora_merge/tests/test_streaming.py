@@ -148,17 +148,22 @@ def test_streams_one_module_at_a_time(make_qwen2):
     assert len(alive) == 2 * 7  # every LoRA layer was merged
 
 
-def test_a_large_layer_is_merged_into_memory_on_huge_pages():
-    """A 32 MiB merged weight goes to a fresh 2 MiB-aligned tensor (see lorarl.lora_merge._output). Checked against
+def test_large_layers_are_merged_into_memory_on_huge_pages_reused_once_dropped():
+    """32 MiB merged weights go to 2 MiB-aligned memory (see lorarl.lora_merge._output); a consumer looping over the
+    stream still holds the last one while the next is merged, so the third reuses the first's memory. Checked against
     float64: over 16M elements some cancel, where peft's double rounding and ours differ by more than an ulp."""
     torch.manual_seed(5)
-    model = lora(nn.Sequential(nn.Linear(8192, 2048, bias=False, dtype=torch.bfloat16)), r=4, target_modules=["0"])
-    layer = model.base_model.model[0]
-    [(name, merged)] = list(iter_merged_weights(model))
-    assert name == "0.weight"
-    assert merged.data_ptr() % HUGE_PAGE_BYTES == 0
-    factors = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
-    assert_merged_close(merged, layer.base_layer.weight, *factors)
+    layers = nn.Sequential(*(nn.Linear(8192, 2048, bias=False, dtype=torch.bfloat16) for _ in range(3)))
+    model = lora(layers, r=4, target_modules=["0", "1", "2"])
+    addresses = []
+    for name, merged in iter_merged_weights(model):
+        layer = model.base_model.model[len(addresses)]
+        assert name == f"{len(addresses)}.weight"
+        factors = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+        assert_merged_close(merged, layer.base_layer.weight, *factors)
+        addresses.append(merged.data_ptr())
+    assert all(address % HUGE_PAGE_BYTES == 0 for address in addresses)
+    assert addresses[2] == addresses[0] != addresses[1]
 
 
 def test_zero_drift_where_peft_bf16_merge_unmerge_drifts(make_qwen2):

@@ -3,8 +3,9 @@
 It yields exactly the keys and values of `model.merge_and_unload().state_dict()` (base-model names, no `lora_`
 tensors), but never merges in place: each LoRA layer's `W + s·B@A` is computed out of place into a fresh tensor right
 before it is yielded, so the base stays bit-identical (no bf16 unmerge drift) and the extra memory is one module's
-weight while the consumer holds it. Other tensors are yielded as detached views of the model's own (no copy) unless
-`dtype` asks for a cast.
+weight. (Large CPU tensors go to memory on 2 MiB pages, and once the consumer has dropped one, the next reuses its
+memory, already faulted in; until the stream ends that memory stays with it: see `_output`.) Other tensors are
+yielded as detached views of the model's own (no copy) unless `dtype` asks for a cast.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`): each sharded unit (e.g. a decoder layer) is all-gathered when the walk
 enters it and freed when it leaves, so the extra memory is one unit (plus the root unit: embeddings, final norm, head)
@@ -19,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from lorarl.lora_merge._output import empty_output
+from lorarl.lora_merge._output import OutputMemory
 from lorarl.lora_merge.merge import merge_lora
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
@@ -63,6 +64,7 @@ class _Merger:
         self.dtype = dtype
         self.backend = backend
         self.specs_only = specs_only
+        self.outputs = OutputMemory()  # large merged weights reuse the memory of one the consumer has dropped
         self.sharded = _fsdp_class() is not None and any(isinstance(m, _fsdp_class()) for m in model.modules())
         # id(base weight) -> (name, LoRA layer) that merges it: its tied partners get the merged value too
         self.merged_elsewhere = {
@@ -86,7 +88,7 @@ class _Merger:
         if not factors or self.specs_only:
             return self.plain(weight)
         fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
-        out = empty_output(weight.shape, self.dtype or weight.dtype, weight.device)
+        out = self.outputs.empty(weight.shape, self.dtype or weight.dtype, weight.device)
         if len(factors) == 1:
             lora_A, lora_B, scale = factors[0]
         else:  # several active adapters: one merge over the concatenated ranks, so still one rounding
