@@ -7,8 +7,8 @@ against 2.0 ms into a reused buffer. Asking for transparent huge pages (as PyTor
 every allocation) takes one fault per 2 MiB instead: 4.1 ms (4096 x 11008: 9.0 against 35.2 ms); what is left is the
 kernel zeroing each new page. A stream of merges (`iter_merged_weights`) goes further: its consumer usually copies a
 tensor out (into a transfer bucket, into the engine's parameters) and drops it, so a later large output reuses that
-memory, already faulted in. Smaller outputs stay with torch: glibc reuses freed heap
-memory for them, with no fault at all (2.0x faster than fresh huge pages at 16-24 MiB).
+memory, already faulted in. Smaller outputs stay with torch: glibc reuses freed heap memory for them, with no fault at
+all (2.0x faster than fresh huge pages at 16-24 MiB).
 """
 
 import contextlib
@@ -47,7 +47,7 @@ class OutputMemory:
         else:  # free regions are too small: unmapped now, before a new one is faulted in
             in_use = [region for i, region in enumerate(self._regions) if i not in unused]
             region = huge_page_region(size)
-            self._regions = [*in_use[len(in_use) + 1 - self.kept_regions :], region]
+            self._regions = [*in_use[1 - self.kept_regions :], region]  # older ones in use: the consumer's alone
         offset = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES
         return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
 
