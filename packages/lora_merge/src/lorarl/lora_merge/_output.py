@@ -26,8 +26,9 @@ class OutputMemory:
     """Allocates the outputs of a stream of merges, keeping at most two memory regions of its own: a consumer that
     iterates `for name, tensor in stream` still holds the last tensor while the next one is merged, so the memory that
     is free again by then is that of the one before. A region is reused only once no tensor uses it (a consumer that
-    holds on to more tensors just gets new memory, as without reuse); the extra memory is one region besides those of
-    the tensors the consumer holds."""
+    holds on to more tensors just gets new memory, as without reuse). For a loop like that the peak is unchanged:
+    the free region kept is what the next merge would allocate while the loop still holds the last tensor, and one
+    too small for it is unmapped first."""
 
     kept_regions = 2
 
