@@ -11,7 +11,7 @@ from peft import LoHaConfig, LoraConfig, get_peft_model
 from torch import nn
 
 from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
-from lorarl.lora_merge._output import HUGE_PAGE_BYTES
+from lorarl.lora_merge._output import HAS_HUGE_PAGES, HUGE_PAGE_BYTES
 
 
 def lora(model, **config):
@@ -148,6 +148,7 @@ def test_streams_one_module_at_a_time(make_qwen2):
     assert len(alive) == 2 * 7  # every LoRA layer was merged
 
 
+@pytest.mark.skipif(not HAS_HUGE_PAGES, reason="transparent huge pages: Linux")
 def test_large_layers_are_merged_into_memory_on_huge_pages_reused_once_dropped():
     """32 MiB merged weights go to 2 MiB-aligned memory (see lorarl.lora_merge._output); a consumer looping over the
     stream still holds the last one while the next is merged, so the third reuses the first's memory. Checked against

@@ -20,6 +20,7 @@ import torch
 
 HUGE_PAGE_BYTES = 2 << 20
 MAPPED_AFRESH_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit: blocks this large are always mapped anew
+HAS_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")  # Linux; elsewhere outputs are torch's
 
 
 class OutputMemory:
@@ -39,7 +40,7 @@ class OutputMemory:
         """An uninitialised contiguous tensor for a merge to write, on 2 MiB pages where it is large and on the CPU."""
         numel = math.prod(shape)
         size = numel * dtype.itemsize + HUGE_PAGE_BYTES  # slack to align the tensor to a huge page
-        if torch.device(device).type != "cpu" or numel * dtype.itemsize < MAPPED_AFRESH_BYTES:
+        if not HAS_HUGE_PAGES or torch.device(device).type != "cpu" or numel * dtype.itemsize < MAPPED_AFRESH_BYTES:
             return torch.empty(shape, dtype=dtype, device=device)
         unused = self._unused()
         fitting = [i for i in unused if len(self._regions[i]) >= size]
@@ -62,7 +63,7 @@ def huge_page_region(size: int) -> mmap.mmap:
     """Private anonymous memory advised for transparent huge pages (a shared mapping would be shmem, which THP leaves
     alone). Each tensor made from it holds it; it is unmapped once nothing references it."""
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
-    with contextlib.suppress(AttributeError, OSError):  # no THP in this kernel or Python: 4 KiB pages, as torch's
+    with contextlib.suppress(OSError):  # a kernel built without THP: 4 KiB pages, as torch's
         region.madvise(mmap.MADV_HUGEPAGE)
     return region
 
