@@ -53,7 +53,7 @@ def test_a_large_merge_without_out_is_written_to_memory_advised_for_huge_pages()
 
 @with_huge_pages
 def test_the_memory_lives_as_long_as_the_tensor_or_a_view_of_it():
-    out = empty_output((MAPPED_AFRESH_BYTES // 4 + 1,), torch.float32, CPU)
+    out = empty_output((LARGE[0] + 1,), torch.float32, CPU)
     out.fill_(2.0)
     view = out[1:]
     span, _ = mapping_of(view.data_ptr())

@@ -39,9 +39,9 @@ class OutputMemory:
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor for a merge to write, on 2 MiB pages where it is large and on the CPU."""
         numel = math.prod(shape)
-        size = numel * dtype.itemsize + HUGE_PAGE_BYTES  # slack to align the tensor to a huge page
         if not HAS_HUGE_PAGES or torch.device(device).type != "cpu" or numel * dtype.itemsize < MAPPED_AFRESH_BYTES:
             return torch.empty(shape, dtype=dtype, device=device)
+        size = numel * dtype.itemsize + HUGE_PAGE_BYTES  # slack to align the tensor to a huge page
         unused = self._unused()
         fitting = [i for i in unused if len(self._regions[i]) >= size]
         if fitting:
