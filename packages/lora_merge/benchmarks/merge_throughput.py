@@ -1,7 +1,8 @@
 """Merge throughput: one JSON object per case, every ratio against baselines measured in the same run.
 
 Per layer case (shape, rank, dtype, backend):
-  seconds            median time of `merge_lora(W, A, B, s, out=out)`
+  seconds            median time of `merge_lora(W, A, B, s, out=out)`, `out` allocated as the library allocates the
+                     outputs of merges (large CPU ones on 2 MiB pages): the memory `iter_merged_weights` reuses
   gbps               (bytes of W read + bytes of out written) / seconds
   ratio_to_copy      copy time / merge time, copy = `out.copy_(W)` on the same tensors: the memory-bandwidth bound
   ratio_to_roofline  roofline / merge time, roofline = max(copy time, 2·r·out·in / GEMM rate), the GEMM rate being
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from lorarl.lora_merge import available_backends, iter_merged_weights, merge_lora
+from lorarl.lora_merge._output import empty_output
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192)]
 QUICK_SHAPES = [(4096, 4096), (4096, 11008)]
@@ -137,7 +139,7 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
     for shape in QUICK_SHAPES if args.quick else SHAPES:
         for dtype_name, dtype in DTYPES.items():
             weight = torch.randn(shape, device=device).to(dtype)
-            out = torch.empty_like(weight)
+            out = empty_output(weight.shape, weight.dtype, weight.device)
             for rank in RANKS:
                 lora_A = (torch.randn(rank, shape[1], device=device) / rank**0.5).to(factor_dtype)
                 lora_B = (torch.randn(shape[0], rank, device=device) * 0.01).to(factor_dtype)
