@@ -40,11 +40,10 @@ def iter_merged_weights(
     Raises `NotImplementedError` naming the layer for DoRA and other LoRA variants, and for non-LoRA tuner layers.
     """
     merger = _Merger(model, adapter_name, dtype, backend)
-    base = _base_model(model)
     with ExitStack() as stack:  # FSDP units above the base model (e.g. the sharded PeftModel root) stay gathered
-        for ancestor in _fsdp_ancestors(model, base) if merger.sharded else ():
+        for ancestor in _fsdp_ancestors(merger.fsdp_units, merger.base):
             stack.enter_context(_gathered(ancestor, merger))
-        yield from _walk(base, "", merger)
+        yield from _walk(merger.base, "", merger)
 
 
 def merged_weight_specs(
@@ -53,7 +52,7 @@ def merged_weight_specs(
     """`(name, shape, dtype)` of everything `iter_merged_weights` will yield, in order, without merging anything
     (e.g. the manifest a weight transfer announces before it streams)."""
     merger = _Merger(model, adapter_name, dtype, "torch", specs_only=True)
-    return [(name, t.shape, t.dtype) for name, t in _walk(_base_model(model), "", merger)]
+    return [(name, t.shape, t.dtype) for name, t in _walk(merger.base, "", merger)]
 
 
 class _Merger:
@@ -67,11 +66,13 @@ class _Merger:
         self.backend = backend
         self.specs_only = specs_only
         self.outputs = OutputMemory()  # large merged weights reuse the memory of one the consumer has dropped
+        self.base = _base_model(model)
         fsdp = _fsdp_class()
-        self.sharded = fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
+        self.fsdp_units = [m for m in model.modules() if isinstance(m, fsdp)] if fsdp is not None else []
+        self.sharded = bool(self.fsdp_units)
         # id(base weight) -> (name, LoRA layer) that merges it: its tied partners get the merged value too
         self.merged_elsewhere = {
-            id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(_base_model(model))
+            id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(self.base)
         }
 
     def plain(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -244,12 +245,10 @@ def _gathered(module: nn.Module, merger: _Merger):
         module.reshard()
 
 
-def _fsdp_ancestors(model: nn.Module, base: nn.Module) -> list[nn.Module]:
-    """FSDP2 units that hold `base` (wrappers around it, e.g. a sharded `PeftModel`), outermost first."""
-    fsdp = _fsdp_class()
-    if fsdp is None or model is base:
-        return []
-    return [m for m in model.modules() if isinstance(m, fsdp) and m is not base and any(c is base for c in m.modules())]
+def _fsdp_ancestors(units: list[nn.Module], base: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units (of the model's, in `modules()` order) that hold `base`: wrappers around it, e.g. a sharded
+    `PeftModel`, outermost first."""
+    return [m for m in units if m is not base and any(c is base for c in m.modules())]
 
 
 def _module_to_save(wrapper: nn.Module, adapter_name: str | None) -> nn.Module:
