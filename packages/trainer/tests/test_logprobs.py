@@ -1,46 +1,103 @@
-"""Log-probs from the packed batch equal those of each sample run alone (no cross-sample attention), and match the
-same values extracted from a padded forward."""
+"""Response log-probs and entropies, in either micro-batch layout, equal those of each sample run alone through the
+plain model (full logits, log-softmax) — values, and the gradients they give the LoRA parameters."""
 
 import pytest
 import torch
 from tiny_models import tiny_gpt2, tiny_qwen2
 
-from lorarl.padding import left_right_pad, response_from_padded
-from lorarl.trainer.logprobs import micro_batches, pack, response_logprobs
+from lorarl.trainer.logprobs import micro_batch, micro_batches, resolve_layout, response_logprobs
 
-PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
-RESPONSES = [[10, 11], [12, 13, 14, 15], []]
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 1]]
+RESPONSES = [[10, 11], [12, 13, 14, 15], [], [9, 9, 9]]
+WIDTH = 5  # wider than the longest response: the slots past it stay zero
 
 
+def alone(model, prompt, response, temperature):
+    """Per response token: (log p, entropy) from the sample's own full logits."""
+    logits = model(input_ids=torch.tensor([prompt + response]), use_cache=False).logits[0].float() / temperature
+    log_p = torch.log_softmax(logits, -1)[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+    return log_p.gather(1, torch.tensor(response, dtype=torch.long)[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+
+def lora(model, *, head: bool = False):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    targets = ["q_proj", "v_proj", "down_proj", *(["lm_head"] if head else [])]
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("make", [tiny_qwen2, tiny_gpt2])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_packed_equals_each_sample_alone(make, attention):
+def test_each_layout_equals_each_sample_alone(layout, make, attention):
     model = make()
     model.config._attn_implementation = attention
     with torch.no_grad():
-        logp, entropy = response_logprobs(model, pack(PROMPTS, RESPONSES, 4, "cpu"), temperature=0.7, entropy=True)
+        logp, entropy = response_logprobs(model, micro_batch(PROMPTS, RESPONSES, WIDTH, "cpu", layout), temperature=0.7)
         for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
-            logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0].float() / 0.7
-            alone = torch.log_softmax(logits, -1)
-            for k, token in enumerate(r):
-                assert logp[i, k].item() == pytest.approx(alone[len(p) - 1 + k, token].item(), abs=1e-5)
-                expected_entropy = -(alone[len(p) - 1 + k].exp() * alone[len(p) - 1 + k]).sum()
-                assert entropy[i, k].item() == pytest.approx(expected_entropy.item(), abs=1e-5)
+            want_logp, want_entropy = alone(model, p, r, 0.7)
+            torch.testing.assert_close(logp[i, : len(r)], want_logp, atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[i, : len(r)], want_entropy, atol=1e-5, rtol=0)
             assert (logp[i, len(r) :] == 0).all()
+            assert (entropy[i, len(r) :] == 0).all()
 
 
-def test_packed_equals_the_padded_forward_aligned_by_padding():
+@pytest.mark.parametrize("head", [False, True], ids=["plain-head", "lora-on-the-head"])
+def test_gradients_of_both_layouts_equal_the_per_sample_loop(head):
+    """The LoRA gradient of sum(w · log p + v · entropy) over micro-batches, against one sample at a time. With an
+    adapter on the LM head the head is no plain Linear: that path scores the full logits of the micro-batch."""
+    model = lora(tiny_qwen2(), head=head)
+    g = torch.Generator().manual_seed(2)
+    w, v = torch.randn(len(PROMPTS), WIDTH, generator=g), torch.randn(len(PROMPTS), WIDTH, generator=g)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradients(losses):
+        model.zero_grad()
+        sum(losses).backward()
+        return [p.grad.clone() for p in params]
+
+    def loss(logp, entropy, rows):
+        return (logp * w[rows, : logp.shape[1]]).sum() + (entropy * v[rows, : entropy.shape[1]]).sum()
+
+    want = gradients([loss(*[x[None] for x in alone(model, p, r, 0.8)], [i]) for i, (p, r) in
+                      enumerate(zip(PROMPTS, RESPONSES, strict=True)) if r])  # fmt: skip
+    for layout in ("packed", "padded"):
+        losses = []
+        for rows in micro_batches([len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES, strict=True)], 10, layout):
+            micro = micro_batch([PROMPTS[i] for i in rows], [RESPONSES[i] for i in rows], WIDTH, "cpu", layout)
+            losses.append(loss(*response_logprobs(model, micro, temperature=0.8), rows))
+        for a, e in zip(gradients(losses), want, strict=True):
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
+
+
+def test_the_head_is_restored_after_a_failing_forward():
     model = tiny_qwen2()
-    batch = left_right_pad(PROMPTS, RESPONSES)
-    with torch.no_grad():
-        packed, _ = response_logprobs(model, pack(PROMPTS, RESPONSES, 4, "cpu"))
-        mask = batch.attention_mask.long()
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        token_logp = torch.log_softmax(logits.float(), -1).gather(2, batch.input_ids.roll(-1, 1)[:, :, None])[:, :, 0]
-        padded = response_from_padded(token_logp, batch.attention_mask, batch.response_lens, max_response_len=4)
-    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    micro = micro_batch(PROMPTS, RESPONSES, WIDTH, "cpu", "padded")
+    micro.inputs["input_ids"] = micro.inputs["input_ids"] + 1000  # out of the vocabulary
+    with pytest.raises(IndexError):
+        response_logprobs(model, micro)
+    assert "forward" not in vars(model.get_output_embeddings())
 
 
-def test_micro_batches_bound_tokens():
-    assert list(micro_batches([5, 5, 5, 20, 1], 10)) == [[0, 1], [2], [3], [4]]
+def test_packed_micro_batches_bound_tokens_in_order():
+    assert list(micro_batches([5, 5, 5, 20, 1], 10, "packed")) == [[0, 1], [2], [3], [4]]
+
+
+def test_padded_micro_batches_group_similar_lengths_and_bound_rows_times_the_longest():
+    lengths = [3, 9, 4, 9, 2, 8, 3]
+    batches = list(micro_batches(lengths, 18, "padded"))
+    assert batches == [[1, 3], [5, 2], [0, 6, 4]]
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 18 for b in batches)
+    assert list(micro_batches([30, 2], 18, "padded")) == [[0], [1]]  # a sample longer than the bound goes alone
+
+
+def test_auto_layout_packs_only_for_flash_attention():
+    model = tiny_qwen2()
+    assert resolve_layout("auto", model) == "padded"
+    model.config._attn_implementation = "flash_attention_2"
+    assert resolve_layout("auto", model) == "packed"
+    assert resolve_layout("padded", model) == "padded"
+    with pytest.raises(ValueError, match="layout"):
+        resolve_layout("jagged", model)

@@ -38,14 +38,15 @@ def test_outputs_are_where_design_says(trained):
     assert (trained / "config.yaml").is_file()
     assert load_config(trained / "config.yaml").trainer.steps == 12  # the resolved config reloads
     record = metrics(trained)[1]
-    for key in ("step", "reward/mean", "reward/std", "response_length/mean", "kl", "entropy", "timing/rollout_s",
+    for key in ("step", "reward/mean", "reward/std", "response_length/mean", "entropy", "timing/rollout_s",
                 "timing/sync_s", "timing/train_s", "sync/bytes"):  # fmt: skip
         assert key in record, key
+    assert "kl" not in record  # no KL term (kl_coef 0): no reference forward, nothing to report
     assert "val/accuracy" in metrics(trained)[0]  # evaluated before training
     adapter = trained / "checkpoints" / "step_12" / "adapter"
     assert (adapter / "adapter_config.json").is_file()
     assert (adapter / "adapter_model.safetensors").is_file()
-    for plot in ("reward", "kl", "response_length", "val_accuracy"):
+    for plot in ("reward", "response_length", "val_accuracy"):
         assert (trained / "plots" / f"{plot}.png").stat().st_size > 1000
 
 
@@ -91,7 +92,7 @@ def test_resume_repeats_the_uninterrupted_run(tiny_setup, tmp_path):
     expected, resumed = metrics(straight), metrics(interrupted)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     for a, b in zip(expected[2:], resumed[2:], strict=True):
-        for key in ("reward/mean", "response_length/mean", "loss", "kl", "entropy", "grad_norm"):
+        for key in ("reward/mean", "response_length/mean", "loss", "entropy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
@@ -111,7 +112,22 @@ def test_full_fine_tuning_with_a_kl_term_keeps_a_frozen_reference(tiny_setup, tm
     assert all(torch.equal(v, before[k]) for k, v in trainer.policy.frozen_reference.state_dict().items())
     assert (tmp_path / "out" / "checkpoints" / "step_8" / "model" / "model.safetensors").is_file()
     kls = [m["kl"] for m in metrics(tmp_path / "out") if "kl" in m]
+    assert len(kls) == 8
     assert kls[-1] > 0  # the policy moved away from the frozen reference
+    assert (tmp_path / "out" / "plots" / "kl.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_the_reference_forward_runs_only_for_a_kl_term(tiny_setup, tmp_path, kl_coef):
+    config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", algorithm__kl_coef=kl_coef,
+                                              trainer__steps=1), presets=PRESETS)  # fmt: skip
+    trainer = Trainer(config)
+    passes = []
+    reference = trainer.policy.reference
+    trainer.policy.reference = lambda: passes.append("reference") or reference()
+    trainer.run()
+    assert passes == (["reference"] if kl_coef else [])
+    assert ("kl" in metrics(tmp_path / "out")[-1]) == bool(kl_coef)
 
 
 def test_starting_from_a_saved_adapter(trained, tiny_setup, tmp_path):

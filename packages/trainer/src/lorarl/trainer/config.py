@@ -121,7 +121,11 @@ class ActorSection:
     grad_clip: float = option(1.0, "gradient norm clip (0 = off)")
     warmup_steps: int = option(0, "linear warmup steps")
     lr_schedule: str = option("constant", "after warmup", ("constant", "cosine"))
-    micro_batch_tokens: int = option(16384, "tokens per forward/backward (gradient accumulation beyond)")
+    micro_batch_tokens: int = option(4096, "tokens per forward/backward, pads included (gradient accumulation "
+                                     "beyond): bounds the activations' memory", minimum=1)  # fmt: skip
+    layout: str = option("auto", "micro-batch layout: packed rows (for flash-attention's varlen kernel) or padded "
+                         "rows of similar lengths; auto picks by the attention kernel",
+                         ("auto", "packed", "padded"))  # fmt: skip
 
 
 @dataclass

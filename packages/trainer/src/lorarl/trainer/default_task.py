@@ -32,12 +32,14 @@ def problems(count: int, *, validation: bool, seed: int) -> list[dict[str, str]]
     return [problem(a, b) for a, b in pairs[:count]]
 
 
-def build_tokenizer():
-    """A character-level tokenizer over VOCAB (no spaces, so no tokenizer can drop them)."""
+def build_tokenizer(vocab_size: int | None = None):
+    """A character-level tokenizer over VOCAB (no spaces, so no tokenizer can drop them); with `vocab_size`, widened
+    by filler tokens `<tN>` to fit a model of that vocabulary (benchmarks on randomly initialised models)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel({token: i for i, token in enumerate(VOCAB)}, unk_token="<pad>"))
+    words = VOCAB + [f"<t{i}>" for i in range(len(VOCAB), vocab_size or 0)]
+    core = Tokenizer(models.WordLevel({token: i for i, token in enumerate(words)}, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")

@@ -1,66 +1,143 @@
-"""Per-token log-probs (and entropies) of responses, from a forward pass over the **packed** batch.
+"""Per-token log-probs (and entropies) of responses: micro-batches in the layout that suits the attention kernel.
 
-Samples (prompt + response) are concatenated without padding, with position ids restarting per sample: transformers
-isolates the samples in attention from the position ids (with no KV cache), so no compute is spent on pads. Values
-are aligned with the response tokens by `padding.response_from_packed` — the one alignment function used for old,
-reference and current log-probs alike.
+Two layouts, the same results:
+- **packed**: samples concatenated without padding, position ids restarting per sample. transformers isolates the
+  samples from the position ids; with a varlen kernel (flash-attention) that costs nothing, but without one (SDPA,
+  eager) it builds a block-diagonal mask over the whole row: O(L²) work across unrelated samples.
+- **padded**: right-padded rows of samples of similar lengths (sorted, so pads are few); attention is O(B·S²).
+`auto` takes packed where the model runs a flash-attention kernel and padded elsewhere.
+
+Only response tokens are scored, and never through a `[tokens, vocab]` logits tensor of the whole micro-batch: the LM
+head runs on the response positions alone, chunked (`head_logprobs`). Values are aligned with the response tokens by
+`padding.response_from_packed` / `response_from_padded` — one alignment rule for old, reference and current log-probs.
 """
 
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lorarl.padding import left_right_pad, packed_position_ids, response_from_packed, unpad
+from lorarl.padding import packed_position_ids, response_from_packed, response_from_padded
+from lorarl.trainer.head_logprobs import head_logprobs
+
+LAYOUTS = ("auto", "packed", "padded")
+# config attributes of models that transform the logits after the LM head: those are scored from their full logits
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                    "logits_scaling")  # fmt: skip
 
 
 @dataclass
-class Packed:
-    input_ids: torch.Tensor  # [T]
-    position_ids: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # [B+1]
-    response_lens: torch.Tensor  # [B]
-    response_width: int  # R
+class MicroBatch:
+    """One forward's model inputs, and where its response tokens are."""
+
+    inputs: dict[str, Tensor]  # model keyword arguments
+    align: Callable[[Tensor], Tensor]  # per-position values [1 or B, S, ...] -> response-aligned [B, R, ...]
+    targets: Tensor  # [B, R] response tokens (0 past each response)
+    mask: Tensor  # [B, R] bool: a response token
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], response_width: int, device) -> Packed:
-    batch = left_right_pad(prompts, responses, response_width=response_width)
-    packed = unpad(batch.input_ids, batch.attention_mask)
-    return Packed(
-        packed.values.to(device),
-        packed_position_ids(packed.cu_seqlens).to(device),
-        packed.cu_seqlens.to(device),
-        batch.response_lens.to(device),
-        response_width,
-    )
+def resolve_layout(layout: str, model: nn.Module) -> str:
+    """`auto`: packed with a flash-attention (varlen) kernel, padded otherwise."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout != "auto":
+        return layout
+    kernel = str(getattr(model.config, "_attn_implementation", None) or "")
+    return "packed" if "flash" in kernel else "padded"
 
 
-def micro_batches(lengths: Sequence[int], max_tokens: int) -> Iterator[list[int]]:
-    """Consecutive sample indices whose total length stays within `max_tokens` (a longer sample goes alone)."""
-    batch, tokens = [], 0
-    for i, length in enumerate(lengths):
-        if batch and tokens + length > max_tokens:
+def micro_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], response_width: int, device, layout: str
+) -> MicroBatch:
+    """The samples (prompt + response each) as one forward's inputs in `layout` (packed or padded)."""
+    lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)])
+    response_lens = torch.tensor([len(r) for r in responses], device=device)
+    tokens = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    targets = torch.zeros(len(responses), response_width, dtype=torch.long)
+    for i, r in enumerate(responses):
+        targets[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    mask = torch.arange(response_width)[None, :] < response_lens.cpu()[:, None]
+    align = {"response_lens": response_lens, "shift": 1, "max_response_len": response_width}
+    if layout == "packed":
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device)
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+        inputs = {"input_ids": ids[None].to(device), "position_ids": packed_position_ids(cu_seqlens)[None].to(device)}
+        return MicroBatch(inputs, lambda v: response_from_packed(v[0], cu_seqlens, **align),
+                          targets.to(device), mask.to(device))  # fmt: skip
+    if layout != "padded":
+        raise ValueError(f"layout must be packed or padded, got {layout!r}")
+    width = int(lengths.max())
+    ids = torch.zeros(len(tokens), width, dtype=torch.long)
+    attention = torch.arange(width)[None, :] < lengths[:, None]
+    for i, seq in enumerate(tokens):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+    attention = attention.to(device)
+    inputs = {"input_ids": ids.to(device), "attention_mask": attention.long()}
+    return MicroBatch(inputs, lambda v: response_from_padded(v, attention, **align), targets.to(device),
+                      mask.to(device))  # fmt: skip
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int, layout: str = "packed") -> Iterator[list[int]]:
+    """Sample indices grouped into micro-batches within `max_tokens` (a longer sample goes alone). Packed: consecutive
+    samples, counting their tokens. Padded: samples sorted longest first, counting rows x the longest (pads
+    included), so that each micro-batch holds samples of similar lengths."""
+    padded = layout == "padded"
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if padded else range(len(lengths))
+    batch, tokens, widest = [], 0, 0
+    for i in order:
+        cost = (len(batch) + 1) * max(widest, lengths[i]) if padded else tokens + lengths[i]
+        if batch and cost > max_tokens:
             yield batch
-            batch, tokens = [], 0
+            batch, tokens, widest = [], 0, 0
         batch.append(i)
-        tokens += length
+        tokens += lengths[i]
+        widest = max(widest, lengths[i])
     if batch:
         yield batch
 
 
-def response_logprobs(
-    model: nn.Module, packed: Packed, *, temperature: float = 1.0, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[B, R]` log-probs of each response token (and the policy's entropy at it), zero past each response."""
-    logits = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False).logits[0]
-    logits = logits.float() / max(temperature, 1e-6)
-    log_probs = torch.log_softmax(logits, dim=-1)
-    targets = torch.roll(packed.input_ids, -1)  # position j scores token j+1 (across samples: unused)
-    token_logp = log_probs.gather(1, targets[:, None])[:, 0]
-    align = {"shift": 1, "max_response_len": packed.response_width}
-    logp = response_from_packed(token_logp, packed.cu_seqlens, packed.response_lens, **align)
-    if not entropy:
-        return logp, None
-    token_entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logp, response_from_packed(token_entropy, packed.cu_seqlens, packed.response_lens, **align)
+def response_logprobs(model: nn.Module, micro: MicroBatch, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """`[B, R]` log-probs of each response token and the policy's entropy at it (zero past each response), in fp32,
+    at `temperature` (the sampling distribution)."""
+    temperature = max(temperature, 1e-6)
+    head = model.get_output_embeddings()
+    mask = micro.mask
+    if type(head) is not nn.Linear or _transforms_logits(model):  # a wrapped head, or logits changed after it
+        logits = model(**micro.inputs, use_cache=False).logits
+        log_p = torch.log_softmax(micro.align(logits)[mask].float() / temperature, -1)
+        values = torch.stack([log_p.gather(1, micro.targets[mask][:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)], -1)
+        return _on_slots(values, mask)
+
+    def score(hidden: Tensor) -> Tensor:
+        logp, entropy = head_logprobs(micro.align(hidden)[mask], head.weight, head.bias, micro.targets[mask],
+                                      temperature=temperature)  # fmt: skip
+        return torch.stack([logp, entropy], -1)
+
+    with _head_replaced(head, score):
+        values = model(**micro.inputs, use_cache=False).logits  # what the head returned: [Tr, 2]
+    return _on_slots(values, mask)
+
+
+def _on_slots(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """`[Tr, 2]` values of the response tokens -> two `[B, R]` tensors, zero past each response."""
+    out = values.new_zeros(*mask.shape, 2)
+    out[mask] = values.float()
+    return out[..., 0], out[..., 1]
+
+
+def _transforms_logits(model: nn.Module) -> bool:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return any(getattr(config, name, None) is not None for name in LOGIT_TRANSFORMS)
+
+
+@contextlib.contextmanager
+def _head_replaced(head: nn.Module, forward: Callable[[Tensor], Tensor]):
+    """The LM head computes `forward(hidden_states)` instead of logits for the duration: it runs inside the model's
+    own forward, so wrappers that manage its weight there (FSDP) see an ordinary call."""
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward

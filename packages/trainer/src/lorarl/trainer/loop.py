@@ -15,7 +15,7 @@ from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.engine import Completion, EngineError, ProcessEngine, RolloutEngine, hf_settings
 from lorarl.trainer.errors import TrainerError
-from lorarl.trainer.logprobs import micro_batches, pack, response_logprobs
+from lorarl.trainer.logprobs import micro_batch, micro_batches, resolve_layout, response_logprobs
 from lorarl.trainer.metrics import MetricsLog, plot
 from lorarl.trainer.models import Policy, load_tokenizer
 from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
@@ -35,6 +35,7 @@ class Trainer:
         self.dp, self.device = setup_data_parallel(self.device)
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
+        self.layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
         resume_from = self._checkpoint_to_resume()
         if resume_from is not None:  # before sharding: every rank reads the full weights
             checkpoint.load_weights(resume_from, self.model, is_lora=self.policy.is_lora)
@@ -200,11 +201,12 @@ class Trainer:
         train_started = time.perf_counter()
         batch = _batch(samples, mask_truncated=a.mask_truncated)
         with torch.no_grad():
-            batch.reference = self._logprobs_all(batch, reference=True)
+            if a.kl_coef > 0:  # the reference forward only where a KL term uses it
+                batch.reference = self._logprobs_all(batch, reference=True)
             if a.ppo_epochs > 1 or a.mini_batches > 1:
                 batch.old = self._logprobs_all(batch)
         rewards = batch.rewards
-        if batch.reference is not None and a.kl_coef > 0 and a.kl_in_reward:
+        if batch.reference is not None and a.kl_in_reward:
             current = batch.old if batch.old is not None else self._logprobs_all(batch)
             kl = algorithms.kl_penalty(current, batch.reference, a.kl_estimator)
             rewards = rewards - a.kl_coef * (kl * batch.loss_mask).sum(1)
@@ -295,9 +297,8 @@ class Trainer:
                 }
                 for micro in self._micro_batches(batch, minibatch):
                     rows = micro or minibatch[:1]  # None: this rank has no rows left; run one with zero weight
-                    packed = pack([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
-                                  self.device)  # fmt: skip
-                    logp, entropy = response_logprobs(self.model, packed, temperature=temperature, entropy=True)
+                    micro_inputs = self._micro_batch(batch, rows)
+                    logp, entropy = response_logprobs(self.model, micro_inputs, temperature=temperature)
                     m = batch.loss_mask[rows].to(self.device)
                     old_logp = batch.old[rows].to(self.device) if batch.old is not None else logp.detach()
                     if epoch == 0 and micro:
@@ -324,7 +325,7 @@ class Trainer:
                     if batch.reference is not None:
                         kl = algorithms.kl_penalty(logp, batch.reference[rows].to(self.device), a.kl_estimator)
                         info["kl"] = float((kl.detach() * m).sum() / m.sum().clamp(min=1))
-                        if a.kl_coef > 0 and not a.kl_in_reward:
+                        if not a.kl_in_reward:
                             loss = loss + a.kl_coef * algorithms.aggregate(kl, m, a.loss_agg_mode, **totals)
                     if a.entropy_coef:
                         loss = loss - a.entropy_coef * algorithms.aggregate(entropy, m, a.loss_agg_mode, **totals)
@@ -362,7 +363,8 @@ class Trainer:
         limit = self.config.actor.micro_batch_tokens
 
         def split(rows: list[int]) -> list[list[int]]:
-            return [[rows[i] for i in m] for m in micro_batches([batch.sample_lengths[r] for r in rows], limit)]
+            lengths = [batch.sample_lengths[r] for r in rows]
+            return [[rows[i] for i in m] for m in micro_batches(lengths, limit, self.layout)]
 
         if self.dp is None:
             return split(indices)
@@ -370,20 +372,20 @@ class Trainer:
         mine = shares[self.dp.rank]
         return mine + [None] * (max(map(len, shares)) - len(mine))
 
-    def _logprobs_all(self, batch: "Batch", reference: bool = False) -> torch.Tensor | None:
+    def _micro_batch(self, batch: "Batch", rows: list[int]):
+        return micro_batch([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
+                           self.device, self.layout)  # fmt: skip
+
+    def _logprobs_all(self, batch: "Batch", reference: bool = False) -> torch.Tensor:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
         temperature = self.config.rollout.temperature
-        if reference and not self.policy.is_lora and self.policy.frozen_reference is None:
-            return None
         values = torch.zeros(len(batch.prompts), batch.width)
         context = self.policy.reference() if reference else _nothing(self.model)
         with context as model:
             model.eval()
             for micro in self._micro_batches(batch, list(range(len(batch.prompts)))):
                 rows = micro or [0]  # None: a forward for the collectives only
-                packed = pack([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
-                              self.device)  # fmt: skip
-                logp = response_logprobs(model, packed, temperature=temperature)[0].cpu()
+                logp = response_logprobs(model, self._micro_batch(batch, rows), temperature=temperature)[0].cpu()
                 if micro:
                     values[rows] = logp
         return self.dp.sum(values) if self.dp is not None else values

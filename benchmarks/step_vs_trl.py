@@ -1,0 +1,251 @@
+"""The RL step, lorarl against TRL's GRPOTrainer on the same work: one JSON object per case.
+
+Each case runs lorarl's trainer and TRL's `GRPOTrainer` in processes of their own, interleaved A, B, A, B, on the same
+model, tokenizer, prompts, reward and settings:
+- the same prompts per step, `rollout.n` = `num_generations` = 8 responses each, the same max new tokens;
+- LoRA rank 16, alpha 32 on all linear layers; AdamW at the same constant learning rate, no warmup, grad clip 1.0;
+- GRPO advantages (group mean and std), token-mean loss (TRL's `dapo`), clip 0.2, one optimizer step per batch;
+- no KL term, so neither side runs a reference model (TRL's `beta=0`, lorarl's `algorithm.kl_coef=0`);
+- fp32 weights on both sides (TRL defaults to bf16: `bf16=False`) and no gradient checkpointing (TRL defaults to it:
+  `gradient_checkpointing=False`); TRL trains the whole batch in one micro-batch (`gradient_accumulation_steps=1`,
+  its fastest setting), lorarl at its default `actor.micro_batch_tokens`.
+
+Per case it prints `case, lorarl_s_per_step, trl_s_per_step, speedup` (TRL's time / lorarl's: > 1 is lorarl faster),
+`lorarl_peak_rss_gb, trl_peak_rss_gb` (the sum of the resident memory of the whole process tree, the rollout worker
+included, sampled every 20 ms) and the mean reward of the last steps on both sides. Seconds per step are the medians,
+over the runs, of the wall time between the ends of consecutive steps after the warm-up steps.
+
+    uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompts: int  # per step
+    max_tokens: int  # new tokens per response
+    warmup: int  # steps not timed
+    steps: int  # timed steps (full run; --quick halves them, at least 2)
+    lr: float
+    model: dict | None  # a random model of this config (None: the embedded default)
+
+
+CASES = {
+    "default": Case("default", 32, 8, 2, 12, 1e-3, None),
+    "qwen2-46m": Case("qwen2-46m", 2, 64, 1, 6, 1e-4, {
+        "model_type": "qwen2", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32768, "tie_word_embeddings": True,
+        "max_position_embeddings": 1024}),
+    "smollm2-135m-shaped": Case("smollm2-135m-shaped", 8, 16, 1, 6, 1e-4, {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}),
+}  # fmt: skip
+GENERATIONS = 8
+RANK, ALPHA = 16, 32.0
+SEED = 0
+
+
+def make_model(case: Case, directory: Path) -> Path:
+    """The case's model directory: the embedded default, or a random model (seeded) with the default task's tokenizer
+    widened to the model's vocabulary (its extra tokens decode to words the reward never accepts)."""
+    from lorarl.trainer import default_task
+
+    if case.model is None:
+        return default_task.MODEL_DIR
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(case.model)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings, eos_token_id=1, pad_token_id=0,
+                                  bos_token_id=None)  # fmt: skip
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = directory / case.name
+    model.save_pretrained(path)
+    default_task.build_tokenizer(vocab_size=config.vocab_size).save_pretrained(path)
+    return path
+
+
+# --- the two sides, each run in a process of its own ---------------------------------------------------------------
+
+
+def run_lorarl(case: Case, model: Path, output: Path, steps: int) -> dict:
+    from lorarl.trainer.config import load_config
+    from lorarl.trainer.loop import Trainer
+
+    config = load_config(overrides=[
+        f"model.path={model}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
+        f"data.batch_size={case.prompts}", f"rollout.n={GENERATIONS}", f"rollout.max_tokens={case.max_tokens}",
+        f"actor.lr={case.lr}",
+        "algorithm.kl_coef=0", f"trainer.steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={output}",
+        f"trainer.seed={SEED}", "trainer.device=cpu",
+    ])  # fmt: skip
+    trainer = Trainer(config)
+    ends, rewards = [], []
+    train_step = trainer.train_step
+
+    def timed_step(step: int) -> dict:
+        metrics = train_step(step)
+        ends.append(time.perf_counter())
+        rewards.append(metrics["reward/mean"])
+        return metrics
+
+    trainer.train_step = timed_step
+    trainer.run()
+    return {"step_ends": ends, "rewards": rewards}
+
+
+def run_trl(case: Case, model_path: Path, output: Path, steps: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lorarl.trainer import data, default_task
+    from lorarl.trainer.models import load_tokenizer
+
+    rows = data.read_rows(["default"], default_file="train.jsonl")
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    def reward(prompts, completions, answer, **_) -> list[float]:
+        return [default_task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+    ends, rewards = [], []
+
+    class Timing(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                rewards.append(logs["reward"])
+
+    samples = case.prompts * GENERATIONS
+    args = GRPOConfig(
+        output_dir=str(output), max_steps=steps, per_device_train_batch_size=samples, gradient_accumulation_steps=1,
+        num_generations=GENERATIONS, max_completion_length=case.max_tokens, temperature=1.0, top_p=1.0,
+        learning_rate=case.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+        beta=0.0, loss_type="dapo", epsilon=0.2, bf16=False, gradient_checkpointing=False, use_cpu=True,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=SEED,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+        reward_funcs=reward, args=args, train_dataset=dataset, processing_class=load_tokenizer(model_path),
+        peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0),
+        callbacks=[Timing()],
+    )  # fmt: skip
+    trainer.train()
+    return {"step_ends": ends, "rewards": rewards}
+
+
+SIDES = {"lorarl": run_lorarl, "trl": run_trl}
+
+
+# --- the driver ----------------------------------------------------------------------------------------------------
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total
+
+
+def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int) -> dict:
+    """One run in a fresh process; its seconds per step (median interval after the warm-up) and peak tree RSS."""
+    output = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{side}-"))
+    result_file = output / "result.json"
+    command = [sys.executable, __file__, "--worker", side, "--case", case.name, "--model", str(model),
+               "--output", str(output), "--steps", str(steps), "--result", str(result_file)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True)
+    reader.start()
+    while process.poll() is None:
+        peak = max(peak, tree_rss(process.pid))
+        time.sleep(0.02)
+    reader.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{side} on {case.name} failed:\n{''.join(stderr[-40:])}")
+    result = json.loads(result_file.read_text())
+    ends = result["step_ends"]
+    intervals = [b - a for a, b in zip(ends[case.warmup - 1 :], ends[case.warmup :], strict=False)]
+    return {"s_per_step": statistics.median(intervals), "peak_rss": peak, "rewards": result["rewards"]}
+
+
+def measure(case: Case, workdir: Path, *, quick: bool, repeats: int) -> dict:
+    model = make_model(case, workdir)
+    timed = max(2, case.steps // 2) if quick else case.steps
+    steps = case.warmup + timed
+    runs: dict[str, list[dict]] = {"lorarl": [], "trl": []}
+    for _ in range(repeats):
+        for side in ("lorarl", "trl"):  # interleaved: A, B, A, B
+            runs[side].append(run_side(side, case, model, workdir, steps))
+    out = {"case": case.name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
+           "timed_steps": timed}  # fmt: skip
+    for side, side_runs in runs.items():
+        out[f"{side}_s_per_step"] = statistics.median(r["s_per_step"] for r in side_runs)
+        out[f"{side}_runs_s_per_step"] = [round(r["s_per_step"], 4) for r in side_runs]
+        out[f"{side}_peak_rss_gb"] = max(r["peak_rss"] for r in side_runs) / GB
+        last = max(1, timed // 2)
+        out[f"{side}_final_reward"] = statistics.mean(r for run in side_runs for r in run["rewards"][-last:])
+    out["speedup"] = out["trl_s_per_step"] / out["lorarl_s_per_step"]
+    out["memory_ratio"] = out["lorarl_peak_rss_gb"] / out["trl_peak_rss_gb"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps (within 10 minutes on 2 vCPUs)")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each side per case, interleaved")
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = SIDES[args.worker](CASES[args.case], Path(args.model), Path(args.output), args.steps)
+        Path(args.result).write_text(json.dumps(result))
+        return
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; expected names from {list(CASES)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="step_vs_trl-") as workdir:
+        for name in names:
+            print(json.dumps(measure(CASES[name], Path(workdir), quick=args.quick, repeats=args.repeats)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Log-probs and entropies of chosen tokens straight from hidden states and the LM head's weight, chunked over tokens.
+
+`[tokens, vocab]` logits are the largest tensors of an RL step (a 2k-token micro-batch at a 150k vocabulary is 1.2 GB in
+fp32, and autograd keeps several such). Here they exist for one chunk of tokens at a time: the forward keeps only the
+per-token results, and the backward recomputes each chunk's logits to form its gradient (the idea of Liger-Kernel's
+fused linear cross-entropy). Logits are computed in the head's dtype and reduced in fp32 (fp64 stays fp64).
+"""
+
+import torch
+from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 32 MiB in fp32, whatever the vocabulary
+
+
+def chunk_tokens(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, inv_temperature: float):
+        ctx.set_materialize_grads(False)
+        reduce_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logp = torch.empty(hidden.shape[0], dtype=reduce_dtype, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        step = chunk_tokens(weight.shape[0])
+        for start in range(0, hidden.shape[0], step):
+            end = min(start + step, hidden.shape[0])
+            z = _logits(hidden[start:end], weight, bias, inv_temperature, reduce_dtype)
+            lse = torch.logsumexp(z, -1)
+            logp[start:end] = z.gather(1, targets[start:end, None])[:, 0] - lse
+            z.sub_(lse[:, None])  # log p
+            entropy[start:end] = -(z.exp() * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+        ctx.inv_temperature = inv_temperature
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=entropy.dtype) if needs_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=entropy.dtype) if needs_bias else None
+        if grad_logp is None and grad_entropy is None:
+            return grad_hidden, grad_weight, grad_bias, None, None
+        step = chunk_tokens(weight.shape[0])
+        for start in range(0, hidden.shape[0], step):
+            end = min(start + step, hidden.shape[0])
+            h = hidden[start:end]
+            z = _logits(h, weight, bias, ctx.inv_temperature, entropy.dtype)
+            log_p = z - torch.logsumexp(z, -1, keepdim=True)
+            p = log_p.exp()
+            dz = torch.zeros_like(z)
+            if grad_logp is not None:  # d log p_y / dz = onehot(y) - p
+                g = grad_logp[start:end, None]
+                dz.sub_(p * g).scatter_add_(1, targets[start:end, None], g)
+            if grad_entropy is not None:  # dH / dz_k = -p_k (log p_k + H)
+                dz.sub_(grad_entropy[start:end, None] * p * (log_p + entropy[start:end, None]))
+            dz.mul_(ctx.inv_temperature)
+            if needs_hidden:
+                grad_hidden[start:end] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if needs_weight:
+                grad_weight.addmm_(dz.T, h.to(dz.dtype))
+            if needs_bias:
+                grad_bias.add_(dz.sum(0))
+        return grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None
+
+
+def _cast(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
+    return None if grad is None else grad.to(like.dtype)
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, inv_temperature: float, dtype: torch.dtype) -> Tensor:
+    z = torch.nn.functional.linear(h.to(weight.dtype), weight, bias).to(dtype)
+    return z.mul_(inv_temperature) if inv_temperature != 1.0 else z
+
+
+def head_logprobs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """`(log p(target), entropy)` per row of `hidden` (`[T, H]`) under softmax((hidden @ weight.T + bias) / T), T the
+    temperature; both `[T]` in fp32 (fp64 for fp64 inputs), differentiable in hidden, weight and bias."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden [T, H] and weight [V, H]; got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [T] = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _HeadLogprobs.apply(hidden, weight, bias, targets, 1.0 / temperature)
