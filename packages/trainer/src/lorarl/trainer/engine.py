@@ -10,13 +10,14 @@ import hashlib
 import multiprocessing as mp
 import tempfile
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from lorarl.trainer.decode import decode
 from lorarl.trainer.errors import TrainerError
 from lorarl.weight_sync import BucketReceiver, BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
 from lorarl.weight_sync.vllm import save_adapter
@@ -37,6 +38,13 @@ class RolloutEngine(Protocol):
     def generate(
         self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Completion]: ...
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> Callable[[], list[Completion]]:
+        """`generate` started in the background: returns what waits for its completions (called before any other
+        request to the engine)."""
+        ...
 
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
@@ -68,11 +76,12 @@ def expect_version(reported: int, version: int, what: str) -> int:
 
 
 def hf_settings(model_path: Path | str, *, dtype: torch.dtype, device: str, eos_token_id: int, pad_token_id: int,
-                batch_size: int, timeout: float = 600.0) -> dict:  # fmt: skip
-    """What an HF rollout worker needs to build its model and generate (plain data: it crosses process bounds)."""
+                batch_size: int, timeout: float = 600.0, threads: int | None = None) -> dict:  # fmt: skip
+    """What an HF rollout worker needs to build its model and generate (plain data: it crosses process bounds).
+    `threads`: torch's CPU threads in the worker (None: torch's default)."""
     return {"kind": "hf", "model_path": str(model_path), "dtype": dtype, "device": device, "eos": eos_token_id,
-            "pad": pad_token_id, "batch_size": batch_size, "timeout": timeout, "sync_backend": "gloo",
-            "sync_ranks": 1}  # fmt: skip
+            "pad": pad_token_id, "batch_size": batch_size, "timeout": timeout, "threads": threads,
+            "sync_backend": "gloo", "sync_ranks": 1}  # fmt: skip
 
 
 def sync_sender(group, settings: dict, bucket_bytes: int) -> BucketSender:
@@ -101,8 +110,13 @@ class ProcessEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Completion]:
+        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> Callable[[], list[Completion]]:
         self._conn.send(("generate", ([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)))
-        return self._reply("generate")
+        return lambda: self._reply("generate")
 
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
@@ -169,6 +183,8 @@ class HFWorker:
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
+        if settings["threads"]:
+            torch.set_num_threads(settings["threads"])
         model = AutoModelForCausalLM.from_pretrained(settings["model_path"], dtype=settings["dtype"])
         self.model = model.to(settings["device"]).eval()
         self.version = 0  # the weights from disk
@@ -231,40 +247,25 @@ def _serve(conn, settings: dict, port: int) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
-@torch.no_grad()
 def _generate(model, settings, version, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
     """Sample `n` responses per prompt (greedy when temperature is 0), batched, seeded: the same call, the same
     samples (what makes a resumed run repeat an uninterrupted one)."""
-    torch.manual_seed(seed)
     eos, pad, device = settings["eos"], settings["pad"], settings["device"]
+    generator = torch.Generator(device=device).manual_seed(seed)
     completions = []
     per_batch = max(1, settings["batch_size"] // n)
     for start in range(0, len(prompts), per_batch):
         chunk = prompts[start : start + per_batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device).repeat_interleave(n, 0)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        greedy = temperature == 0
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=not greedy,
-            temperature=None if greedy else temperature, top_p=None if greedy else top_p, top_k=None,
-            num_return_sequences=n, pad_token_id=pad, eos_token_id=eos,
-            return_dict_in_generate=True, output_logits=True,
-        )  # fmt: skip
-        new = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float()  # [B*n, steps, V]
-        if not greedy:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, -1).gather(2, new[:, :, None])[:, :, 0]
-        for row in range(new.shape[0]):
-            tokens, values = [], []
-            for t, token in enumerate(new[row].tolist()):
-                tokens.append(token)
-                values.append(float(logp[row, t]))
-                if token == eos:
-                    break
-            finished = tokens[-1] == eos if tokens else False
-            completions.append(Completion(start + row // n, tuple(tokens), tuple(values), finished, version))
+        tokens, logp = decode(model, ids, mask.repeat_interleave(n, 0), max_tokens=max_tokens,
+                              temperature=temperature, top_p=top_p, eos=eos, pad=pad, generator=generator)  # fmt: skip
+        for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
+            length = row_tokens.index(eos) + 1 if eos in row_tokens else len(row_tokens)
+            finished = eos in row_tokens
+            completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
+                                          finished, version))  # fmt: skip
     return completions
 
 

@@ -3,6 +3,7 @@
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -32,6 +33,9 @@ class Trainer:
                                    ("cpu" if t.device == "auto" else t.device))  # fmt: skip
         if config.rollout.replicas > 1 and t.backend != "ray":
             raise TrainerError(f"rollout.replicas={config.rollout.replicas} needs trainer.backend=ray")
+        if config.rollout.overlap and config.algorithm.rollout_correction == "none":
+            raise TrainerError("rollout.overlap trains on rollouts of the weights one update behind: set "
+                               "algorithm.rollout_correction=token (or sequence) to correct for that")  # fmt: skip
         self.dp, self.device = setup_data_parallel(self.device)
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
@@ -55,6 +59,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_factor(a.warmup_steps, t.steps, a.lr_schedule)
         )
+        self._prefetched: tuple[list[int], list[Completion]] | None = None  # the next step's batch (rollout.overlap)
         self.start_step = self._resume(resume_from)
         self.engine: RolloutEngine | None = None
         self.version = self.start_step
@@ -95,6 +100,7 @@ class Trainer:
         checkpoint.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
+        self._prefetched = state.get("prefetched")
         self._say(f"resumed from {path} (step {state['step']})")
         return state["step"]
 
@@ -111,9 +117,11 @@ class Trainer:
                                      gpu_memory_utilization=r.gpu_memory_utilization,
                                      adapter_rank=adapter_rank)  # fmt: skip
         else:
+            # generating on the CPU beside the training (rollout.overlap): one core, so the two do not oversubscribe
+            threads = 1 if r.overlap and self.device.type == "cpu" else None
             settings = hf_settings(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
                                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                                   batch_size=r.batch_size)  # fmt: skip
+                                   batch_size=r.batch_size, threads=threads)  # fmt: skip
         if r.engine == "vllm" and t.backend == "local" and r.devices is None:
             from lorarl.trainer.vllm_engine import ColocatedVllmEngine
 
@@ -195,6 +203,9 @@ class Trainer:
         if self.dp is not None:
             samples, metrics = self.dp.broadcast((samples, metrics))
         rollout_s = time.perf_counter() - started
+        next_batch = None
+        if self.config.rollout.overlap and self.is_main:  # at the last step too: a checkpoint keeps it for resuming
+            next_batch = self._request(step + 1, 0)  # generated on this step's weights while the trainer trains
         if hasattr(self.engine, "sleep"):  # a colocated engine gives the GPU back while the trainer trains
             self.engine.sleep()
 
@@ -216,6 +227,11 @@ class Trainer:
         self.scheduler.step()
         train_s = time.perf_counter() - train_started
 
+        if next_batch is not None:  # before the sync: the engine answers in order
+            waited = time.perf_counter()
+            indices, wait = next_batch
+            self._prefetched = (indices, wait())
+            rollout_s += time.perf_counter() - waited
         sync_started = time.perf_counter()
         stats = self._sync(version=step)
         sync_s = time.perf_counter() - sync_started
@@ -250,6 +266,7 @@ class Trainer:
             if len({s.group for s in kept}) >= batch_size:
                 break
         metrics = _rollout_metrics(drawn)
+        metrics["rollout/version_lag"] = max(self.version - s.completion.version for s in kept)
         if a.dynamic_sampling:
             chosen = set(sorted({s.group for s in kept})[:batch_size])
             kept = [s for s in kept if s.group in chosen] or samples
@@ -257,14 +274,27 @@ class Trainer:
                             "sampling/kept_groups": len(chosen)})  # fmt: skip
         return kept, metrics
 
+    def _request(self, step: int, round_: int) -> tuple[list[int], Callable[[], list[Completion]]]:
+        """The next batch of prompts from the sampler, submitted to the engine: their indices, and what waits for
+        the completions."""
+        r = self.config.rollout
+        indices = self.sampler.next_batch()
+        wait = self.engine.submit([self.train_set[i].prompt_ids for i in indices], n=r.n, temperature=r.temperature,
+                                  top_p=r.top_p, max_tokens=r.max_tokens,
+                                  seed=_step_seed(self.config.trainer.seed, step, round_))  # fmt: skip
+        return indices, wait
+
     def _generate(self, step: int, round_: int, first_group: int) -> list["Sample"]:
-        """One batch of prompts from the sampler, `rollout.n` responses each, scored (and overlong-shaped)."""
-        cfg, r, a = self.config, self.config.rollout, self.config.algorithm
-        examples = [self.train_set[i] for i in self.sampler.next_batch()]
-        completions = self.engine.generate([e.prompt_ids for e in examples], n=r.n, temperature=r.temperature,
-                                           top_p=r.top_p, max_tokens=r.max_tokens,
-                                           seed=_step_seed(cfg.trainer.seed, step, round_))  # fmt: skip
+        """One batch of prompts, `rollout.n` responses each (generated during the last step with `rollout.overlap`),
+        scored (and overlong-shaped)."""
+        r, a = self.config.rollout, self.config.algorithm
+        if round_ == 0 and self._prefetched is not None:
+            (indices, completions), self._prefetched = self._prefetched, None
+        else:
+            indices, wait = self._request(step, round_)
+            completions = wait()
         self._check_versions(completions)
+        examples = [self.train_set[i] for i in indices]
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         chosen = [examples[c.prompt_index] for c in completions]
         scores = rewards.score(self.reward_fn, [e.prompt for e in chosen], texts, [e.answer for e in chosen])
@@ -391,9 +421,14 @@ class Trainer:
         return self.dp.sum(values) if self.dp is not None else values
 
     def _check_versions(self, completions: list[Completion]) -> None:
-        stale = {c.version for c in completions} - {self.version}
+        """Rollouts come from the trainer's current weights, or with `rollout.overlap` from at most one update
+        before them."""
+        lag = 1 if self.config.rollout.overlap else 0
+        allowed = set(range(max(0, self.version - lag), self.version + 1))
+        stale = {c.version for c in completions} - allowed
         if stale:
-            raise EngineError(f"the engine generated with weights version {sorted(stale)}, expected {self.version}")
+            raise EngineError(f"the engine generated with weights version {sorted(stale)}, expected "
+                              f"{' or '.join(map(str, sorted(allowed)))}")  # fmt: skip
 
     def _choose_sync(self) -> dict:
         """`rollout.sync=auto`: time one rollout batch (the sync, then the generation) with the adapter served
@@ -468,7 +503,8 @@ class Trainer:
                                        not self.policy.is_lora})  # fmt: skip
         if not self.is_main:
             return None
-        state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
+        state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict(),
+                 "prefetched": self._prefetched}  # fmt: skip
         return checkpoint.save(self.output_dir, step, self.model, is_lora=self.policy.is_lora, state=state,
                                config_yaml=to_yaml(self.config), weights=weights)  # fmt: skip
 

@@ -5,7 +5,7 @@ on this machine or across a cluster (`trainer.ray_address`)."""
 
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -58,16 +58,25 @@ class RayEngines:
     def generate(
         self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Completion]:
+        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> Callable[[], list[Completion]]:
         """Contiguous slices of the prompts, one per replica (each seeded by `seed` and its index), in order."""
         size = -(-len(prompts) // len(self.actors))
         starts = range(0, len(prompts), size)
         futures = [actor.generate.remote([list(p) for p in prompts[start : start + size]], n, temperature, top_p,
                                          max_tokens, seed + 7919 * i)
                    for i, (actor, start) in enumerate(zip(self.actors, starts, strict=False))]  # fmt: skip
-        completions = []
-        for start, part in zip(starts, self._get(futures, "generate"), strict=False):
-            completions += [dataclasses.replace(c, prompt_index=c.prompt_index + start) for c in part]
-        return completions
+
+        def wait() -> list[Completion]:
+            completions = []
+            for start, part in zip(starts, self._get(futures, "generate"), strict=False):
+                completions += [dataclasses.replace(c, prompt_index=c.prompt_index + start) for c in part]
+            return completions
+
+        return wait
 
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]

@@ -19,7 +19,7 @@ import concurrent.futures
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -176,6 +176,12 @@ class ColocatedVllmEngine:
             self.llm.wake_up()
             self.asleep = False
         return _generate(self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+
+    def submit(self, prompts, *, n, temperature, top_p, max_tokens, seed) -> Callable[[], list[Completion]]:
+        """Generates now: the engine shares the trainer's GPU (and sleeps while it trains), so nothing overlaps."""
+        completions = self.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                    seed=seed)  # fmt: skip
+        return lambda: completions
 
     def sleep(self) -> None:
         """Free the GPU for training (see the class docstring for what each mode keeps)."""

@@ -1,0 +1,87 @@
+"""The HF worker's decode loop against independent references: Hugging Face `generate` (greedy), a full forward of
+each prompt + response (its log-probs, so also the KV cache under left padding), transformers' top-p warper, and the
+empirical distribution of many draws."""
+
+import pytest
+import torch
+from tiny_models import tiny_gpt2, tiny_qwen2
+
+from lorarl.trainer.decode import decode, nucleus, sample
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]]
+PAD, EOS = 0, 1
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("make", [tiny_qwen2, tiny_gpt2])
+def test_greedy_equals_hugging_face_generate(make):
+    model = make()
+    ids, mask = left_padded(PROMPTS)
+    tokens, _ = decode(model, ids, mask, max_tokens=7, temperature=0.0, top_p=1.0, eos=EOS, pad=PAD)
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
+                               pad_token_id=PAD, eos_token_id=EOS)[:, ids.shape[1] :]  # fmt: skip
+    assert tokens.tolist() == reference.tolist()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_log_probs_are_the_full_forward_ones_at_the_temperature(temperature):
+    model = tiny_qwen2()
+    ids, mask = left_padded(PROMPTS)
+    g = torch.Generator().manual_seed(3)
+    tokens, logp = decode(model, ids, mask, max_tokens=6, temperature=temperature, top_p=1.0, eos=EOS, pad=PAD,
+                          generator=g)  # fmt: skip
+    for i, prompt in enumerate(PROMPTS):
+        response = tokens[i].tolist()
+        length = response.index(EOS) + 1 if EOS in response else len(response)  # pads after EOS score 0
+        response = response[:length]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float() / temperature
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(response)[:, None])[:, 0]
+        torch.testing.assert_close(logp[i, :length], want, atol=1e-5, rtol=0)
+        assert (logp[i, length:] == 0).all()
+
+
+def test_rows_end_at_eos_then_pad():
+    model = tiny_qwen2()
+    with torch.no_grad():  # make EOS the likeliest next token after token 4
+        model.get_output_embeddings().weight[EOS] = model.get_input_embeddings().weight[4] * 50
+    ids, mask = left_padded([[4, 4, 4], [9, 9, 9]])
+    tokens, logp = decode(model, ids, mask, max_tokens=5, temperature=0.0, top_p=1.0, eos=EOS, pad=PAD)
+    row = tokens[0].tolist()
+    end = row.index(EOS)
+    assert row[end + 1 :] == [PAD] * (len(row) - end - 1)
+    assert (logp[0, end + 1 :] == 0).all()
+
+
+def test_the_same_seed_draws_the_same_samples():
+    model = tiny_qwen2()
+    ids, mask = left_padded(PROMPTS)
+    runs = [decode(model, ids, mask, max_tokens=5, temperature=1.0, top_p=0.9, eos=EOS, pad=PAD,
+                   generator=torch.Generator().manual_seed(seed)) for seed in (7, 7, 8)]  # fmt: skip
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert not torch.equal(runs[0][0], runs[2][0])
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.75, 0.95, 1.0])
+def test_nucleus_equals_transformers_top_p_warper(top_p):
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 2
+    warped = torch.softmax(TopPLogitsWarper(top_p=top_p)(None, logits.clone()), -1)
+    torch.testing.assert_close(nucleus(torch.softmax(logits, -1), top_p), warped)
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3], [0.05, 0.05, 0.0, 0.9]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(probs, g) for _ in range(20000)], 1)
+    for row in range(2):
+        freq = torch.bincount(draws[row], minlength=4).double() / draws.shape[1]
+        torch.testing.assert_close(freq, probs[row].double(), atol=0.015, rtol=0)  # ~4 standard errors
+        assert (freq[probs[row] == 0] == 0).all()  # never a token of probability 0
