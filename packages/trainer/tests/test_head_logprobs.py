@@ -24,16 +24,21 @@ def inputs(tokens=37, hidden=12, vocab=29, bias=True, seed=0):
 
 def grads(outputs, weights, params):
     loss = sum((o * w).sum() for o, w in zip(outputs, weights, strict=True) if w is not None)
-    return torch.autograd.grad(loss, [p for p in params if p is not None])
+    return torch.autograd.grad(loss, [p for p in params if p is not None and p.requires_grad])
 
 
 @pytest.mark.parametrize("chunk_elements", [29 * 5, 29 * 37, 1 << 23])  # 8 chunks (the last short), one, one
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("use_entropy", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_values_and_gradients_equal_the_plain_computation(monkeypatch, chunk_elements, temperature, use_entropy, bias):
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["trained-head", "frozen-head"])
+def test_values_and_gradients_equal_the_plain_computation(monkeypatch, chunk_elements, temperature, use_entropy, bias,
+                                                          frozen_head):  # fmt: skip
+    """A trained head recomputes the logits in the backward; a frozen one (LoRA) forms its gradient in the forward."""
     monkeypatch.setattr(module, "CHUNK_ELEMENTS", chunk_elements)
     h, w, b, targets = inputs(bias=bias)
+    if frozen_head:
+        w, b = w.detach(), (b.detach() if bias else None)
     g = torch.Generator().manual_seed(1)
     weights = [torch.randn(h.shape[0], dtype=torch.float64, generator=g),
                torch.randn(h.shape[0], dtype=torch.float64, generator=g) if use_entropy else None]  # fmt: skip
@@ -45,12 +50,13 @@ def test_values_and_gradients_equal_the_plain_computation(monkeypatch, chunk_ele
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
 
 
-def test_only_the_inputs_that_need_gradients_get_them():
+def test_an_entropy_without_its_gradient_refuses_one():
     h, w, _, targets = inputs(bias=False)
-    frozen = w.detach()
-    logp, _ = head_logprobs(h, frozen, None, targets)
-    (grad,) = torch.autograd.grad(logp.sum(), [h])
-    torch.testing.assert_close(grad, torch.autograd.grad(plain(h, frozen, None, targets, 1.0)[0].sum(), [h])[0])
+    logp, entropy = head_logprobs(h, w.detach(), None, targets, entropy_grad=False)
+    (grad,) = torch.autograd.grad(logp.sum(), [h], retain_graph=True)  # the log-probs' gradient is there
+    torch.testing.assert_close(grad, torch.autograd.grad(plain(h, w.detach(), None, targets, 1.0)[0].sum(), [h])[0])
+    with pytest.raises(RuntimeError, match="entropy_grad=False"):
+        entropy.sum().backward()
 
 
 def test_fp32_inputs_reduce_in_fp32():

@@ -43,7 +43,7 @@ def test_rollouts_older_than_the_allowed_lag_are_refused(tiny_setup, tmp_path):
 
 def test_overlap_needs_rollout_correction(tiny_setup, tmp_path):
     config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", rollout__overlap="true"), presets=PRESETS)
-    with pytest.raises(TrainerError, match="algorithm.rollout_correction"):
+    with pytest.raises(TrainerError, match=r"algorithm\.rollout_correction"):
         Trainer(config)
 
 

@@ -18,40 +18,56 @@ def chunk_tokens(vocab: int) -> int:
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, inv_temperature: float):
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, inv_temperature: float,
+                entropy_grad: bool, ahead: bool):  # fmt: skip
         ctx.set_materialize_grads(False)
         reduce_dtype = torch.promote_types(hidden.dtype, torch.float32)
         logp = torch.empty(hidden.shape[0], dtype=reduce_dtype, device=hidden.device)
         entropy = torch.empty_like(logp)
+        d_logp = torch.empty_like(hidden, dtype=reduce_dtype) if ahead else None
+        d_entropy = torch.empty_like(hidden, dtype=reduce_dtype) if ahead and entropy_grad else None
         step = chunk_tokens(weight.shape[0])
         for start in range(0, hidden.shape[0], step):
             end = min(start + step, hidden.shape[0])
-            z = _logits(hidden[start:end], weight, bias, inv_temperature, reduce_dtype)
-            lse = torch.logsumexp(z, -1)
-            logp[start:end] = z.gather(1, targets[start:end, None])[:, 0] - lse
-            z.sub_(lse[:, None])  # log p
-            entropy[start:end] = -(z.exp() * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
-        ctx.inv_temperature = inv_temperature
+            log_p = torch.log_softmax(_logits(hidden[start:end], weight, bias, inv_temperature, reduce_dtype), -1)
+            p = log_p.exp()
+            logp[start:end] = log_p.gather(1, targets[start:end, None])[:, 0]
+            entropy[start:end] = -torch.bmm(p[:, None, :], log_p[:, :, None])[:, 0, 0]
+            if d_logp is not None:  # d log p_y / dh = (W_y - Σ_k p_k W_k) / T
+                expected = (p.to(weight.dtype) @ weight).to(reduce_dtype)
+                d_logp[start:end] = (weight[targets[start:end]].to(reduce_dtype) - expected) * inv_temperature
+            if d_entropy is not None:  # dH / dh = -Σ_k p_k (log p_k + H) W_k / T
+                spread = p.mul_(log_p.add_(entropy[start:end, None]))
+                d_entropy[start:end] = -(spread.to(weight.dtype) @ weight).to(reduce_dtype) * inv_temperature
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy, d_logp, d_entropy)
+        ctx.inv_temperature, ctx.ahead, ctx.entropy_grad = inv_temperature, ahead, entropy_grad
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
-        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, entropy, d_logp, d_entropy = ctx.saved_tensors
+        if grad_entropy is not None and not ctx.entropy_grad:
+            raise RuntimeError("head_logprobs(entropy_grad=False): the entropy was computed without its gradient")
+        if ctx.ahead:
+            grad = torch.zeros_like(d_logp)
+            if grad_logp is not None:
+                grad.addcmul_(grad_logp[:, None], d_logp)
+            if grad_entropy is not None:
+                grad.addcmul_(grad_entropy[:, None], d_entropy)
+            return grad.to(hidden.dtype), None, None, None, None, None, None
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=entropy.dtype) if needs_weight else None
         grad_bias = torch.zeros_like(bias, dtype=entropy.dtype) if needs_bias else None
         if grad_logp is None and grad_entropy is None:
-            return grad_hidden, grad_weight, grad_bias, None, None
+            return grad_hidden, grad_weight, grad_bias, None, None, None, None
         step = chunk_tokens(weight.shape[0])
-        for start in range(0, hidden.shape[0], step):
+        for start in range(0, hidden.shape[0], step):  # the logits again, chunk by chunk
             end = min(start + step, hidden.shape[0])
             h = hidden[start:end]
-            z = _logits(h, weight, bias, ctx.inv_temperature, entropy.dtype)
-            log_p = z - torch.logsumexp(z, -1, keepdim=True)
+            log_p = torch.log_softmax(_logits(h, weight, bias, ctx.inv_temperature, entropy.dtype), -1)
             p = log_p.exp()
-            dz = torch.zeros_like(z)
+            dz = torch.zeros_like(p)
             if grad_logp is not None:  # d log p_y / dz = onehot(y) - p
                 g = grad_logp[start:end, None]
                 dz.sub_(p * g).scatter_add_(1, targets[start:end, None], g)
@@ -64,7 +80,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_weight.addmm_(dz.T, h.to(dz.dtype))
             if needs_bias:
                 grad_bias.add_(dz.sum(0))
-        return grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None
+        return grad_hidden, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None, None, None
 
 
 def _cast(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
@@ -77,14 +93,25 @@ def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, inv_temperature: flo
 
 
 def head_logprobs(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *, temperature: float = 1.0
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """`(log p(target), entropy)` per row of `hidden` (`[T, H]`) under softmax((hidden @ weight.T + bias) / T), T the
-    temperature; both `[T]` in fp32 (fp64 for fp64 inputs), differentiable in hidden, weight and bias."""
+    temperature; both `[T]` in fp32 (fp64 for fp64 inputs), differentiable in hidden, weight and bias.
+    `entropy_grad=False`: the entropy is a metric only (no gradient flows through it), which saves work."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [T, H] and weight [V, H]; got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [T] = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _HeadLogprobs.apply(hidden, weight, bias, targets, 1.0 / temperature)
+    # A frozen head (LoRA): each output's gradient in `hidden` is its upstream gradient (one scalar per token) times a
+    # vector known in the forward, so the backward needs neither the logits again nor a pass over the vocabulary.
+    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+    ahead = torch.is_grad_enabled() and hidden.requires_grad and frozen
+    return _HeadLogprobs.apply(hidden, weight, bias, targets, 1.0 / temperature, entropy_grad, ahead)

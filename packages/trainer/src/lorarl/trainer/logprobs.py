@@ -98,9 +98,11 @@ def micro_batches(lengths: Sequence[int], max_tokens: int, layout: str = "packed
         yield batch
 
 
-def response_logprobs(model: nn.Module, micro: MicroBatch, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def response_logprobs(
+    model: nn.Module, micro: MicroBatch, *, temperature: float = 1.0, entropy_grad: bool = True
+) -> tuple[Tensor, Tensor]:
     """`[B, R]` log-probs of each response token and the policy's entropy at it (zero past each response), in fp32,
-    at `temperature` (the sampling distribution)."""
+    at `temperature` (the sampling distribution). `entropy_grad=False`: the entropy is only logged (cheaper)."""
     temperature = max(temperature, 1e-6)
     head = model.get_output_embeddings()
     mask = micro.mask
@@ -112,8 +114,8 @@ def response_logprobs(model: nn.Module, micro: MicroBatch, *, temperature: float
 
     def score(hidden: Tensor) -> Tensor:
         logp, entropy = head_logprobs(micro.align(hidden)[mask], head.weight, head.bias, micro.targets[mask],
-                                      temperature=temperature)  # fmt: skip
-        return torch.stack([logp, entropy], -1)
+                                      temperature=temperature, entropy_grad=entropy_grad)  # fmt: skip
+        return torch.stack([logp, entropy if entropy_grad else entropy.detach()], -1)
 
     with _head_replaced(head, score):
         values = model(**micro.inputs, use_cache=False).logits  # what the head returned: [Tr, 2]

@@ -328,7 +328,8 @@ class Trainer:
                 for micro in self._micro_batches(batch, minibatch):
                     rows = micro or minibatch[:1]  # None: this rank has no rows left; run one with zero weight
                     micro_inputs = self._micro_batch(batch, rows)
-                    logp, entropy = response_logprobs(self.model, micro_inputs, temperature=temperature)
+                    logp, entropy = response_logprobs(self.model, micro_inputs, temperature=temperature,
+                                                      entropy_grad=bool(a.entropy_coef))  # fmt: skip
                     m = batch.loss_mask[rows].to(self.device)
                     old_logp = batch.old[rows].to(self.device) if batch.old is not None else logp.detach()
                     if epoch == 0 and micro:
