@@ -13,8 +13,9 @@ from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
 
 
-def test_the_served_adapter_generates_what_the_merged_weights_generate(tiny_setup, tmp_path):
-    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync="adapter")
+@pytest.mark.parametrize("worker", ["process", "inline"])
+def test_the_served_adapter_generates_what_the_merged_weights_generate(tiny_setup, tmp_path, worker):
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker)
     trainer = Trainer(load_config(None, overrides, presets=PRESETS))
     trainer.engine = trainer._start_engine()
     try:

@@ -14,7 +14,7 @@ from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
 
-OVERLAP = {"rollout__overlap": "true", "algorithm__rollout_correction": "token"}
+OVERLAP = {"rollout__overlap": "true", "rollout__worker": "process", "algorithm__rollout_correction": "token"}
 
 
 def metrics(output_dir) -> list[dict]:
@@ -41,10 +41,15 @@ def test_rollouts_older_than_the_allowed_lag_are_refused(tiny_setup, tmp_path):
             trainer._check_versions([Completion(0, (2,), (-0.1,), True, refused)])
 
 
-def test_overlap_needs_rollout_correction(tiny_setup, tmp_path):
-    config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", rollout__overlap="true"), presets=PRESETS)
-    with pytest.raises(TrainerError, match=r"algorithm\.rollout_correction"):
-        Trainer(config)
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"rollout__worker": "process"}, r"algorithm\.rollout_correction=token"),
+     ({"algorithm__rollout_correction": "token"}, r"rollout\.worker=process")],
+)  # fmt: skip
+def test_overlap_needs_rollout_correction_and_a_worker_process(tiny_setup, tmp_path, settings, message):
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__overlap="true", **settings)
+    with pytest.raises(TrainerError, match=message):
+        Trainer(load_config(None, overrides, presets=PRESETS))
 
 
 def test_a_resumed_overlapped_run_repeats_the_uninterrupted_one(tiny_setup, tmp_path):

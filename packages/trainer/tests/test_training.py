@@ -64,12 +64,20 @@ def test_saved_adapter_loads_with_peft_and_export_equals_its_merge(trained, tiny
         torch.testing.assert_close(exported[name], tensor, rtol=1e-6, atol=1e-6)
 
 
-def test_engine_is_another_process_and_receives_the_merged_weights(tiny_setup, tmp_path):
-    trainer = Trainer(load_config(None, tiny_overrides(tiny_setup, tmp_path / "out"), presets=PRESETS))
+@pytest.mark.parametrize("worker", ["process", "inline"])
+def test_the_engine_receives_the_merged_weights(tiny_setup, tmp_path, worker):
+    """In a process of its own (over gloo) or in the trainer's (copied in), the engine holds the trainer's merged
+    weights after each sync, in a model of its own."""
+    config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", rollout__worker=worker), presets=PRESETS)
+    trainer = Trainer(config)
     trainer.engine = trainer._start_engine()
     try:
-        assert trainer.engine.process.pid != os.getpid()
-        assert trainer.engine.process.is_alive()
+        if worker == "process":
+            assert trainer.engine.process.pid != os.getpid()
+            assert trainer.engine.process.is_alive()
+        else:
+            own = {p.data_ptr() for p in trainer.model.parameters()}
+            assert not own & {p.data_ptr() for p in trainer.engine.worker.model.parameters()}
         trainer._sync()
         trainer.train_step(1)
         assert trainer.engine.version == 1
@@ -81,7 +89,8 @@ def test_engine_is_another_process_and_receives_the_merged_weights(tiny_setup, t
         assert trainer.engine.weights_checksum() == _checksum(Merged())
     finally:
         trainer.engine.close()
-    assert not trainer.engine.process.is_alive()
+    if worker == "process":
+        assert not trainer.engine.process.is_alive()
 
 
 def test_resume_repeats_the_uninterrupted_run(tiny_setup, tmp_path):

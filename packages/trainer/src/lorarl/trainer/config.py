@@ -76,6 +76,9 @@ class RolloutSection:
     gpu_memory_utilization: float = option(0.5, "share of each engine GPU vllm may use", minimum=0.05, maximum=1.0)
     max_model_len: int | None = option(None, "vllm context length (None: the model's)")
     devices: str | None = option(None, "GPUs of a local vllm engine (CUDA_VISIBLE_DEVICES); None = colocated")
+    worker: str = option("inline", "where the hf engine runs: in the trainer's process (weights copied in, no second "
+                         "copy of the libraries) or a process of its own (fed over gloo/NCCL; needed by overlap)",
+                         ("inline", "process"))  # fmt: skip
     overlap: bool = option(False, "generate the next batch while training on this one: one step off-policy (its "
                            "rollouts come from the weights one update behind), corrected by "
                            "algorithm.rollout_correction")  # fmt: skip

@@ -9,6 +9,7 @@ never trains on rollouts of stale weights.
 import hashlib
 import multiprocessing as mp
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,15 @@ import torch
 
 from lorarl.trainer.decode import decode
 from lorarl.trainer.errors import TrainerError
-from lorarl.weight_sync import BucketReceiver, BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
+from lorarl.weight_sync import (
+    BucketReceiver,
+    BucketSender,
+    SyncStats,
+    TensorSpec,
+    copy_into,
+    create_sync_group,
+    free_port,
+)
 from lorarl.weight_sync.vllm import save_adapter
 
 
@@ -203,16 +212,21 @@ class HFWorker:
 
     def receive(self) -> int:
         """Merged weights: into the plain model (an adapter served so far is dropped first)."""
-        if self.adapter is not None:
-            self.model, self.adapter = self.adapter.unload(), None  # the LoRA layers out, the base as it was
+        self.drop_adapter()
         self.version = self.receiver.load_into(self.model)
         return self.version
 
+    def drop_adapter(self) -> None:
+        if self.adapter is not None:
+            self.model, self.adapter = self.adapter.unload(), None  # the LoRA layers out, the base as it was
+
     def receive_adapter(self) -> int:
         """A LoRA adapter, served unmerged by peft on the weights this worker holds (`rollout.sync=adapter`)."""
+        return self.serve_adapter(*self.receiver.receive_adapter())
+
+    def serve_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> int:
         from peft import PeftModel, set_peft_model_state_dict
 
-        tensors, config, version = self.receiver.receive_adapter()
         if self.adapter is None:
             with tempfile.TemporaryDirectory() as directory:
                 save_adapter(tensors, config, Path(directory))
@@ -224,6 +238,48 @@ class HFWorker:
 
     def checksum(self) -> str:
         return _checksum(self.model)
+
+
+class InlineEngine:
+    """The HF worker in the trainer's own process (`rollout.worker=inline`): no second process holding its own torch
+    and transformers, no wire — merged weights are copied from the stream straight into its model, with the
+    receiver's checks (`weight_sync.copy_into`). It generates when asked, so nothing overlaps with training."""
+
+    def __init__(self, settings: dict):
+        self.worker = HFWorker(settings)
+        self.version = self.worker.version
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[Completion]:
+        return self.worker.generate([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> Callable[[], list[Completion]]:
+        completions = self.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                    seed=seed)  # fmt: skip
+        return lambda: completions
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
+    ) -> SyncStats:
+        self.worker.drop_adapter()
+        stats = copy_into(self.worker.model, named_tensors, version=version, manifest=manifest)
+        self.version = self.worker.version = version
+        return stats
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        started = time.perf_counter()
+        owned = {name: tensor.detach().clone() for name, tensor in tensors.items()}  # the trainer trains its own on
+        self.version = self.worker.serve_adapter(owned, config, version)
+        return SyncStats(version, len(owned), sum(t.nbytes for t in owned.values()), 0, time.perf_counter() - started)
+
+    def weights_checksum(self) -> str:
+        return self.worker.checksum()
+
+    def close(self) -> None:
+        """Nothing to stop: the model goes with the engine."""
 
 
 def _serve(conn, settings: dict, port: int) -> None:

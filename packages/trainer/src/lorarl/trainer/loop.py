@@ -14,7 +14,7 @@ import torch
 from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
 from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
-from lorarl.trainer.engine import Completion, EngineError, ProcessEngine, RolloutEngine, hf_settings
+from lorarl.trainer.engine import Completion, EngineError, InlineEngine, ProcessEngine, RolloutEngine, hf_settings
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.logprobs import micro_batch, micro_batches, resolve_layout, response_logprobs
 from lorarl.trainer.metrics import MetricsLog, plot
@@ -36,6 +36,8 @@ class Trainer:
         if config.rollout.overlap and config.algorithm.rollout_correction == "none":
             raise TrainerError("rollout.overlap trains on rollouts of the weights one update behind: set "
                                "algorithm.rollout_correction=token (or sequence) to correct for that")  # fmt: skip
+        if config.rollout.overlap and config.rollout.engine == "hf" and config.rollout.worker == "inline":
+            raise TrainerError("rollout.overlap generates beside the training: it needs rollout.worker=process")
         self.dp, self.device = setup_data_parallel(self.device)
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
@@ -130,6 +132,8 @@ class Trainer:
             from lorarl.trainer.ray_engine import RayEngines
 
             return RayEngines(settings, replicas=r.replicas, bucket_bytes=r.bucket_mb << 20, address=t.ray_address)
+        if r.engine == "hf" and r.worker == "inline":
+            return InlineEngine(settings)
         return ProcessEngine(settings, bucket_bytes=r.bucket_mb << 20)
 
     # --- the run -------------------------------------------------------------------------------------------------
@@ -266,12 +270,12 @@ class Trainer:
             if len({s.group for s in kept}) >= batch_size:
                 break
         metrics = _rollout_metrics(drawn)
-        metrics["rollout/version_lag"] = max(self.version - s.completion.version for s in kept)
         if a.dynamic_sampling:
             chosen = set(sorted({s.group for s in kept})[:batch_size])
             kept = [s for s in kept if s.group in chosen] or samples
             metrics.update({"sampling/rounds": round_ + 1, "sampling/prompts": groups,
                             "sampling/kept_groups": len(chosen)})  # fmt: skip
+        metrics["rollout/version_lag"] = max(self.version - s.completion.version for s in kept)
         return kept, metrics
 
     def _request(self, step: int, round_: int) -> tuple[list[int], Callable[[], list[Completion]]]:
