@@ -20,13 +20,15 @@ def left_padded(prompts):
 
 
 @pytest.mark.parametrize("make", [tiny_qwen2, tiny_gpt2])
-def test_greedy_equals_hugging_face_generate(make):
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_equals_hugging_face_generate(make, n):
+    """With n > 1 the prompt's prefill is shared: each of its n rows continues from the same cache."""
     model = make()
     ids, mask = left_padded(PROMPTS)
-    tokens, _ = decode(model, ids, mask, max_tokens=7, temperature=0.0, top_p=1.0, eos=EOS, pad=PAD)
+    tokens, _ = decode(model, ids, mask, n=n, max_tokens=7, temperature=0.0, top_p=1.0, eos=EOS, pad=PAD)
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
                                pad_token_id=PAD, eos_token_id=EOS)[:, ids.shape[1] :]  # fmt: skip
-    assert tokens.tolist() == reference.tolist()
+    assert tokens.tolist() == reference.repeat_interleave(n, 0).tolist()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -34,9 +36,10 @@ def test_sampled_log_probs_are_the_full_forward_ones_at_the_temperature(temperat
     model = tiny_qwen2()
     ids, mask = left_padded(PROMPTS)
     g = torch.Generator().manual_seed(3)
-    tokens, logp = decode(model, ids, mask, max_tokens=6, temperature=temperature, top_p=1.0, eos=EOS, pad=PAD,
+    tokens, logp = decode(model, ids, mask, n=2, max_tokens=6, temperature=temperature, top_p=1.0, eos=EOS, pad=PAD,
                           generator=g)  # fmt: skip
-    for i, prompt in enumerate(PROMPTS):
+    assert not torch.equal(tokens[0], tokens[1])  # a prompt's two responses are drawn apart
+    for i, prompt in enumerate(p for p in PROMPTS for _ in range(2)):
         response = tokens[i].tolist()
         length = response.index(EOS) + 1 if EOS in response else len(response)  # pads after EOS score 0
         response = response[:length]

@@ -3,7 +3,9 @@
 Why not `model.generate`: on CPU its sampler (`torch.multinomial` over the vocabulary) took a fifth of the decode time
 of a 46M model, it keeps every step's logits to return them, and it scores the prompt's last position only after
 computing logits for all of them. Here the prefill computes one position's logits, each step draws by inverse CDF
-(one cumulative sum per row, then a binary search), and only the sampled tokens' log-probs are kept.
+(one cumulative sum per row, then a binary search), and only the sampled tokens' log-probs are kept. The `n`
+responses to a prompt share one prefill: its KV cache is computed once and repeated (a GRPO group of 8 prefilled 8
+times was most of a short rollout's work).
 """
 
 import torch
@@ -35,6 +37,7 @@ def decode(
     input_ids: Tensor,
     attention_mask: Tensor,
     *,
+    n: int = 1,
     max_tokens: int,
     temperature: float,
     top_p: float,
@@ -42,14 +45,19 @@ def decode(
     pad: int,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Responses to left-padded prompts `[B, P]`: `(tokens [B, T], logp [B, T])`, T <= max_tokens. Greedy when
+    """`n` responses to each left-padded prompt `[B, P]`: `(tokens [B·n, T], logp [B·n, T])` (prompt i's responses
+    in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when
     `temperature` is 0. `logp` is each token's log-prob under softmax(logits / temperature) (the raw distribution
     when greedy); after a row's `eos` its tokens are `pad` and its log-probs 0. Stops when every row has ended."""
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    batch = input_ids.shape[0]
-    ended = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    if n > 1:
+        out.past_key_values.batch_repeat_interleave(n)
+        out.logits = out.logits.repeat_interleave(n, 0)
+        mask, positions = mask.repeat_interleave(n, 0), positions.repeat_interleave(n, 0)
+    batch = mask.shape[0]
+    ended = torch.zeros(batch, dtype=torch.bool, device=mask.device)
     tokens, logps = [], []
     for step in range(max_tokens):
         logits = out.logits[:, -1].float()

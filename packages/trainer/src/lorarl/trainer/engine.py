@@ -313,10 +313,10 @@ def _generate(model, settings, version, prompts, n, temperature, top_p, max_toke
     for start in range(0, len(prompts), per_batch):
         chunk = prompts[start : start + per_batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device).repeat_interleave(n, 0)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        tokens, logp = decode(model, ids, mask.repeat_interleave(n, 0), max_tokens=max_tokens,
-                              temperature=temperature, top_p=top_p, eos=eos, pad=pad, generator=generator)  # fmt: skip
+        tokens, logp = decode(model, ids, mask, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              eos=eos, pad=pad, generator=generator)  # fmt: skip
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
             length = row_tokens.index(eos) + 1 if eos in row_tokens else len(row_tokens)
             finished = eos in row_tokens
