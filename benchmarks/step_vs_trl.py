@@ -40,7 +40,7 @@ class Case:
     prompts: int  # per step
     max_tokens: int  # new tokens per response
     warmup: int  # steps not timed
-    steps: int  # timed steps (full run; --quick halves them, at least 2)
+    steps: int  # timed steps (full run; --quick takes a third, at least 2)
     lr: float
     model: dict | None  # a random model of this config (None: the embedded default)
 
@@ -202,7 +202,7 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int) -> d
 
 def measure(case: Case, workdir: Path, *, quick: bool, repeats: int) -> dict:
     model = make_model(case, workdir)
-    timed = max(2, case.steps // 2) if quick else case.steps
+    timed = max(2, case.steps // 3) if quick else case.steps
     steps = case.warmup + timed
     runs: dict[str, list[dict]] = {"lorarl": [], "trl": []}
     for _ in range(repeats):

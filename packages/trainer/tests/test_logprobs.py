@@ -7,9 +7,15 @@ from tiny_models import tiny_gpt2, tiny_qwen2
 
 from lorarl.trainer.logprobs import micro_batch, micro_batches, resolve_layout, response_logprobs
 
-PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 1]]
-RESPONSES = [[10, 11], [12, 13, 14, 15], [], [9, 9, 9]]
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 1], [1, 2, 3, 4], [5, 6], [1, 2, 3, 4]]  # prompts repeat, as in groups
+RESPONSES = [[10, 11], [12, 13, 14, 15], [], [9, 9, 9], [4], [15, 14], [10, 12, 3]]
 WIDTH = 5  # wider than the longest response: the slots past it stay zero
+LAYOUTS = {"packed": ("packed", False), "padded": ("padded", False), "padded-shared-prompts": ("padded", True)}
+
+
+def build(prompts, responses, layout_id):
+    layout, share = LAYOUTS[layout_id]
+    return micro_batch(prompts, responses, WIDTH, "cpu", layout, share_prompts=share)
 
 
 def alone(model, prompt, response, temperature):
@@ -27,14 +33,14 @@ def lora(model, *, head: bool = False):
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("make", [tiny_qwen2, tiny_gpt2])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_each_layout_equals_each_sample_alone(layout, make, attention):
     model = make()
     model.config._attn_implementation = attention
     with torch.no_grad():
-        logp, entropy = response_logprobs(model, micro_batch(PROMPTS, RESPONSES, WIDTH, "cpu", layout), temperature=0.7)
+        logp, entropy = response_logprobs(model, build(PROMPTS, RESPONSES, layout), temperature=0.7)
         for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
             want_logp, want_entropy = alone(model, p, r, 0.7)
             torch.testing.assert_close(logp[i, : len(r)], want_logp, atol=1e-5, rtol=0)
@@ -62,13 +68,14 @@ def test_gradients_of_both_layouts_equal_the_per_sample_loop(head):
 
     want = gradients([loss(*[x[None] for x in alone(model, p, r, 0.8)], [i]) for i, (p, r) in
                       enumerate(zip(PROMPTS, RESPONSES, strict=True)) if r])  # fmt: skip
-    for layout in ("packed", "padded"):
+    for layout in LAYOUTS if not head else ("packed", "padded"):  # a LoRA head is scored from the full logits
         losses = []
-        for rows in micro_batches([len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES, strict=True)], 10, layout):
-            micro = micro_batch([PROMPTS[i] for i in rows], [RESPONSES[i] for i in rows], WIDTH, "cpu", layout)
+        lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES, strict=True)]
+        for rows in micro_batches(lengths, 20, LAYOUTS[layout][0]):
+            micro = build([PROMPTS[i] for i in rows], [RESPONSES[i] for i in rows], layout)
             losses.append(loss(*response_logprobs(model, micro, temperature=0.8), rows))
         for a, e in zip(gradients(losses), want, strict=True):
-            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4, msg=layout)
 
 
 def test_the_head_is_restored_after_a_failing_forward():

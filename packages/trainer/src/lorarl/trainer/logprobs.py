@@ -4,7 +4,9 @@ Two layouts, the same results:
 - **packed**: samples concatenated without padding, position ids restarting per sample. transformers isolates the
   samples from the position ids; with a varlen kernel (flash-attention) that costs nothing, but without one (SDPA,
   eager) it builds a block-diagonal mask over the whole row: O(L²) work across unrelated samples.
-- **padded**: right-padded rows of samples of similar lengths (sorted, so pads are few); attention is O(B·S²).
+- **padded**: right-padded rows of samples of similar lengths (sorted, so pads are few); attention is O(B·S²). The
+  responses of a GRPO group share their prompt: each distinct prompt runs once, and its KV cache and hidden states
+  serve all its responses (the backward sums their gradients into it), which spares the prompt's work n-1 times.
 `auto` takes packed where the model runs a flash-attention kernel and padded elsewhere.
 
 Only response tokens are scored, and never through a `[tokens, vocab]` logits tensor of the whole micro-batch: the LM
@@ -29,13 +31,22 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier
 
 
 @dataclass
+class SharedPrompts:
+    """The distinct prompts of a micro-batch, run once ahead of the responses."""
+
+    inputs: dict[str, Tensor]  # model keyword arguments: [U, P] left-padded
+    which: Tensor  # [B]: each sample's prompt among the U
+
+
+@dataclass
 class MicroBatch:
     """One forward's model inputs, and where its response tokens are."""
 
-    inputs: dict[str, Tensor]  # model keyword arguments
+    inputs: dict[str, Tensor]  # model keyword arguments (with `prompts`: the responses alone, after them)
     align: Callable[[Tensor], Tensor]  # per-position values [1 or B, S, ...] -> response-aligned [B, R, ...]
     targets: Tensor  # [B, R] response tokens (0 past each response)
     mask: Tensor  # [B, R] bool: a response token
+    prompts: SharedPrompts | None = None
 
 
 def resolve_layout(layout: str, model: nn.Module) -> str:
@@ -49,9 +60,16 @@ def resolve_layout(layout: str, model: nn.Module) -> str:
 
 
 def micro_batch(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], response_width: int, device, layout: str
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    response_width: int,
+    device,
+    layout: str,
+    *,
+    share_prompts: bool = False,
 ) -> MicroBatch:
-    """The samples (prompt + response each) as one forward's inputs in `layout` (packed or padded)."""
+    """The samples (prompt + response each) as one forward's inputs in `layout` (packed or padded). `share_prompts`
+    (padded, when a prompt repeats): each distinct prompt is run once ahead of the responses."""
     lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)])
     response_lens = torch.tensor([len(r) for r in responses], device=device)
     tokens = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
@@ -68,6 +86,10 @@ def micro_batch(
                           targets.to(device), mask.to(device))  # fmt: skip
     if layout != "padded":
         raise ValueError(f"layout must be packed or padded, got {layout!r}")
+    distinct = {}
+    which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    if share_prompts and len(distinct) < len(prompts):
+        return _after_shared_prompts(list(distinct), which, responses, targets, mask, align, device)
     width = int(lengths.max())
     ids = torch.zeros(len(tokens), width, dtype=torch.long)
     attention = torch.arange(width)[None, :] < lengths[:, None]
@@ -77,6 +99,31 @@ def micro_batch(
     inputs = {"input_ids": ids.to(device), "attention_mask": attention.long()}
     return MicroBatch(inputs, lambda v: response_from_padded(v, attention, **align), targets.to(device),
                       mask.to(device))  # fmt: skip
+
+
+def _after_shared_prompts(distinct: list[tuple[int, ...]], which: list[int], responses, targets, mask, align,
+                          device) -> MicroBatch:  # fmt: skip
+    """Left-padded distinct prompts, then right-padded responses continuing each (positions and attention mask over
+    prompt + response); the hidden states are aligned over the two stages concatenated."""
+    prompt_lens = torch.tensor([len(p) for p in distinct])
+    width = int(prompt_lens.max())
+    prompt_mask = torch.arange(width)[None, :] >= (width - prompt_lens)[:, None]
+    prompt_ids = torch.zeros(len(distinct), width, dtype=torch.long)
+    for i, p in enumerate(distinct):
+        prompt_ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+    index = torch.tensor(which)
+    lens = torch.tensor([len(r) for r in responses])
+    response_width = max(1, int(lens.max()))
+    response_mask = torch.arange(response_width)[None, :] < lens[:, None]
+    response_ids = targets[:, :response_width].clone()
+    full_mask = torch.cat([prompt_mask[index], response_mask], 1).to(device)
+    prompts = SharedPrompts({"input_ids": prompt_ids.to(device), "attention_mask": prompt_mask.long().to(device),
+                             "position_ids": (prompt_mask.long().cumsum(1) - 1).clamp(min=0).to(device)},
+                            index.to(device))  # fmt: skip
+    inputs = {"input_ids": response_ids.to(device), "attention_mask": full_mask.long(),
+              "position_ids": (prompt_lens[index][:, None] + torch.arange(response_width)[None, :]).to(device)}
+    return MicroBatch(inputs, lambda v: response_from_padded(v, full_mask, **align), targets.to(device),
+                      mask.to(device), prompts)  # fmt: skip
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int, layout: str = "packed") -> Iterator[list[int]]:
@@ -106,20 +153,36 @@ def response_logprobs(
     temperature = max(temperature, 1e-6)
     head = model.get_output_embeddings()
     mask = micro.mask
-    if type(head) is not nn.Linear or _transforms_logits(model):  # a wrapped head, or logits changed after it
+    if not scores_from_hidden(model):  # a wrapped head, or logits changed after it: the full logits
+        if micro.prompts is not None:
+            raise ValueError("this model is scored from its full logits: build its micro-batches without share_prompts")
         logits = model(**micro.inputs, use_cache=False).logits
         log_p = torch.log_softmax(micro.align(logits)[mask].float() / temperature, -1)
         values = torch.stack([log_p.gather(1, micro.targets[mask][:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)], -1)
         return _on_slots(values, mask)
 
+    prefix, cache = None, {"use_cache": False}
+    if micro.prompts is not None:  # each distinct prompt once: its hidden states and KV cache, one per sample
+        with _head_replaced(head, lambda hidden: hidden):
+            out = model(**micro.prompts.inputs, use_cache=True)
+        out.past_key_values.batch_select_indices(micro.prompts.which)
+        prefix, cache = out.logits[micro.prompts.which], {"past_key_values": out.past_key_values, "use_cache": True}
+
     def score(hidden: Tensor) -> Tensor:
-        logp, entropy = head_logprobs(micro.align(hidden)[mask], head.weight, head.bias, micro.targets[mask],
+        full = hidden if prefix is None else torch.cat([prefix, hidden], 1)
+        logp, entropy = head_logprobs(micro.align(full)[mask], head.weight, head.bias, micro.targets[mask],
                                       temperature=temperature, entropy_grad=entropy_grad)  # fmt: skip
         return torch.stack([logp, entropy if entropy_grad else entropy.detach()], -1)
 
     with _head_replaced(head, score):
-        values = model(**micro.inputs, use_cache=False).logits  # what the head returned: [Tr, 2]
+        values = model(**micro.inputs, **cache).logits  # what the head returned: [Tr, 2]
     return _on_slots(values, mask)
+
+
+def scores_from_hidden(model: nn.Module) -> bool:
+    """Whether the log-probs come from the hidden states through the LM head's weight (a plain Linear head and no
+    transform of the logits after it), chunked: what the shared-prompt micro-batches need too."""
+    return type(model.get_output_embeddings()) is nn.Linear and not _transforms_logits(model)
 
 
 def _on_slots(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,7 +16,7 @@ from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.engine import Completion, EngineError, InlineEngine, ProcessEngine, RolloutEngine, hf_settings
 from lorarl.trainer.errors import TrainerError
-from lorarl.trainer.logprobs import micro_batch, micro_batches, resolve_layout, response_logprobs
+from lorarl.trainer.logprobs import micro_batch, micro_batches, resolve_layout, response_logprobs, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, plot
 from lorarl.trainer.models import Policy, load_tokenizer
 from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
@@ -42,6 +42,7 @@ class Trainer:
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
         self.layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
+        self.share_prompts = self.layout == "padded" and scores_from_hidden(self.model)
         resume_from = self._checkpoint_to_resume()
         if resume_from is not None:  # before sharding: every rank reads the full weights
             checkpoint.load_weights(resume_from, self.model, is_lora=self.policy.is_lora)
@@ -409,7 +410,7 @@ class Trainer:
 
     def _micro_batch(self, batch: "Batch", rows: list[int]):
         return micro_batch([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
-                           self.device, self.layout)  # fmt: skip
+                           self.device, self.layout, share_prompts=self.share_prompts)  # fmt: skip
 
     def _logprobs_all(self, batch: "Batch", reference: bool = False) -> torch.Tensor:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
