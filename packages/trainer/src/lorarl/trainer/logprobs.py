@@ -69,7 +69,8 @@ def micro_batch(
     share_prompts: bool = False,
 ) -> MicroBatch:
     """The samples (prompt + response each) as one forward's inputs in `layout` (packed or padded). `share_prompts`
-    (padded, when a prompt repeats): each distinct prompt is run once ahead of the responses."""
+    (padded): each distinct prompt is run once ahead of the responses — two forwards, whether prompts repeat or not
+    (data-parallel ranks must make the same calls)."""
     lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)])
     response_lens = torch.tensor([len(r) for r in responses], device=device)
     tokens = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
@@ -86,9 +87,9 @@ def micro_batch(
                           targets.to(device), mask.to(device))  # fmt: skip
     if layout != "padded":
         raise ValueError(f"layout must be packed or padded, got {layout!r}")
-    distinct = {}
-    which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    if share_prompts and len(distinct) < len(prompts):
+    if share_prompts:
+        distinct = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
         return _after_shared_prompts(list(distinct), which, responses, targets, mask, align, device)
     width = int(lengths.max())
     ids = torch.zeros(len(tokens), width, dtype=torch.long)

@@ -42,7 +42,8 @@ class Trainer:
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         self.model = self.policy.model
         self.layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
-        self.share_prompts = self.layout == "padded" and scores_from_hidden(self.model)
+        # a GRPO group's responses share their prompt: run it once (padded layout, log-probs from the hidden states)
+        self.share_prompts = self.layout == "padded" and config.rollout.n > 1 and scores_from_hidden(self.model)
         resume_from = self._checkpoint_to_resume()
         if resume_from is not None:  # before sharding: every rank reads the full weights
             checkpoint.load_weights(resume_from, self.model, is_lora=self.policy.is_lora)
