@@ -63,7 +63,8 @@ class DataSection:
 
 @dataclass
 class RolloutSection:
-    engine: str = option("hf", "rollout engine: hf (a worker process, CPU/GPU) or vllm (GPU)", ("hf", "vllm"))
+    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU; see rollout.worker) or vllm (GPU)",
+                         ("hf", "vllm"))  # fmt: skip
     n: int = option(8, "responses sampled per prompt (the GRPO group size)", minimum=1)
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
