@@ -46,9 +46,9 @@ def decode(
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`n` responses to each left-padded prompt `[B, P]`: `(tokens [B·n, T], logp [B·n, T])` (prompt i's responses
-    in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when
-    `temperature` is 0. `logp` is each token's log-prob under softmax(logits / temperature) (the raw distribution
-    when greedy); after a row's `eos` its tokens are `pad` and its log-probs 0. Stops when every row has ended."""
+    in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when `temperature` is 0. `logp` is each token's log-prob
+    under softmax(logits / temperature) (the raw distribution when greedy); after a row's `eos` its tokens are `pad`
+    and its log-probs 0. Stops when every row has ended."""
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -57,11 +57,11 @@ def decode(
         out.logits = out.logits.repeat_interleave(n, 0)
         mask, positions = mask.repeat_interleave(n, 0), positions.repeat_interleave(n, 0)
     batch = mask.shape[0]
+    greedy = temperature <= 0
     ended = torch.zeros(batch, dtype=torch.bool, device=mask.device)
     tokens, logps = [], []
     for step in range(max_tokens):
         logits = out.logits[:, -1].float()
-        greedy = temperature <= 0
         log_p = torch.log_softmax(logits if greedy else logits / temperature, -1)
         token = logits.argmax(-1) if greedy else sample(nucleus(log_p.exp(), top_p), generator)
         token = token.masked_fill(ended, pad)

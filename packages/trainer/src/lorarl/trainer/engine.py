@@ -318,8 +318,8 @@ def _generate(model, settings, version, prompts, n, temperature, top_p, max_toke
         tokens, logp = decode(model, ids, mask, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               eos=eos, pad=pad, generator=generator)  # fmt: skip
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
-            length = row_tokens.index(eos) + 1 if eos in row_tokens else len(row_tokens)
             finished = eos in row_tokens
+            length = row_tokens.index(eos) + 1 if finished else len(row_tokens)
             completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
                                           finished, version))  # fmt: skip
     return completions

@@ -1,9 +1,10 @@
 """Log-probs and entropies of chosen tokens straight from hidden states and the LM head's weight, chunked over tokens.
 
 `[tokens, vocab]` logits are the largest tensors of an RL step (a 2k-token micro-batch at a 150k vocabulary is 1.2 GB in
-fp32, and autograd keeps several such). Here they exist for one chunk of tokens at a time: the forward keeps only the
-per-token results, and the backward recomputes each chunk's logits to form its gradient (the idea of Liger-Kernel's
-fused linear cross-entropy). Logits are computed in the head's dtype and reduced in fp32 (fp64 stays fp64).
+fp32, and autograd keeps several such). Here they exist for one chunk of tokens at a time. With a frozen head (LoRA)
+the forward also forms each token's gradient vector in the hidden state, so the backward is a scaling; with a trained
+head the backward recomputes each chunk's logits to form its gradients (the idea of Liger-Kernel's fused linear
+cross-entropy). Logits are computed in the head's dtype and reduced in fp32 (fp64 stays fp64).
 """
 
 import torch

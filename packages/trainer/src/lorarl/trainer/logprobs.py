@@ -71,26 +71,26 @@ def micro_batch(
     """The samples (prompt + response each) as one forward's inputs in `layout` (packed or padded). `share_prompts`
     (padded): each distinct prompt is run once ahead of the responses — two forwards, whether prompts repeat or not
     (data-parallel ranks must make the same calls)."""
-    lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)])
-    response_lens = torch.tensor([len(r) for r in responses], device=device)
-    tokens = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    if layout not in ("packed", "padded"):
+        raise ValueError(f"layout must be packed or padded, got {layout!r}")
+    response_lens = torch.tensor([len(r) for r in responses])
     targets = torch.zeros(len(responses), response_width, dtype=torch.long)
     for i, r in enumerate(responses):
         targets[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    mask = torch.arange(response_width)[None, :] < response_lens.cpu()[:, None]
-    align = {"response_lens": response_lens, "shift": 1, "max_response_len": response_width}
+    mask = torch.arange(response_width)[None, :] < response_lens[:, None]
+    align = {"response_lens": response_lens.to(device), "shift": 1, "max_response_len": response_width}
+    if layout == "padded" and share_prompts:
+        distinct = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        return _after_shared_prompts(list(distinct), which, response_lens, targets, mask, align, device)
+    lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)])
+    tokens = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
     if layout == "packed":
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
         inputs = {"input_ids": ids[None].to(device), "position_ids": packed_position_ids(cu_seqlens)[None].to(device)}
         return MicroBatch(inputs, lambda v: response_from_packed(v[0], cu_seqlens, **align),
                           targets.to(device), mask.to(device))  # fmt: skip
-    if layout != "padded":
-        raise ValueError(f"layout must be packed or padded, got {layout!r}")
-    if share_prompts:
-        distinct = {}
-        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        return _after_shared_prompts(list(distinct), which, responses, targets, mask, align, device)
     width = int(lengths.max())
     ids = torch.zeros(len(tokens), width, dtype=torch.long)
     attention = torch.arange(width)[None, :] < lengths[:, None]
@@ -102,7 +102,7 @@ def micro_batch(
                       mask.to(device))  # fmt: skip
 
 
-def _after_shared_prompts(distinct: list[tuple[int, ...]], which: list[int], responses, targets, mask, align,
+def _after_shared_prompts(distinct: list[tuple[int, ...]], which: list[int], response_lens, targets, mask, align,
                           device) -> MicroBatch:  # fmt: skip
     """Left-padded distinct prompts, then right-padded responses continuing each (positions and attention mask over
     prompt + response); the hidden states are aligned over the two stages concatenated."""
@@ -113,16 +113,18 @@ def _after_shared_prompts(distinct: list[tuple[int, ...]], which: list[int], res
     for i, p in enumerate(distinct):
         prompt_ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
     index = torch.tensor(which)
-    lens = torch.tensor([len(r) for r in responses])
-    response_width = max(1, int(lens.max()))
-    response_mask = torch.arange(response_width)[None, :] < lens[:, None]
+    response_width = max(1, int(response_lens.max()))
+    response_mask = torch.arange(response_width)[None, :] < response_lens[:, None]
     response_ids = targets[:, :response_width].clone()
     full_mask = torch.cat([prompt_mask[index], response_mask], 1).to(device)
     prompts = SharedPrompts({"input_ids": prompt_ids.to(device), "attention_mask": prompt_mask.long().to(device),
                              "position_ids": (prompt_mask.long().cumsum(1) - 1).clamp(min=0).to(device)},
                             index.to(device))  # fmt: skip
-    inputs = {"input_ids": response_ids.to(device), "attention_mask": full_mask.long(),
-              "position_ids": (prompt_lens[index][:, None] + torch.arange(response_width)[None, :]).to(device)}
+    inputs = {
+        "input_ids": response_ids.to(device),
+        "attention_mask": full_mask.long(),
+        "position_ids": (prompt_lens[index][:, None] + torch.arange(response_width)[None, :]).to(device),
+    }
     return MicroBatch(inputs, lambda v: response_from_padded(v, full_mask, **align), targets.to(device),
                       mask.to(device), prompts)  # fmt: skip
 
