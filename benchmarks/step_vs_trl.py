@@ -6,9 +6,12 @@ model, tokenizer, prompts, reward and settings:
 - LoRA rank 16, alpha 32 on all linear layers; AdamW at the same constant learning rate, no warmup, grad clip 1.0;
 - GRPO advantages (group mean and std), token-mean loss (TRL's `dapo`), clip 0.2, one optimizer step per batch;
 - no KL term, so neither side runs a reference model (TRL's `beta=0`, lorarl's `algorithm.kl_coef=0`);
-- fp32 weights on both sides (TRL defaults to bf16: `bf16=False`) and no gradient checkpointing (TRL defaults to it:
+- fp32 training on both sides (TRL defaults to bf16: `bf16=False`) and no gradient checkpointing (TRL defaults to it:
   `gradient_checkpointing=False`); TRL trains the whole batch in one micro-batch (`gradient_accumulation_steps=1`,
-  its fastest setting), lorarl at its default `actor.micro_batch_tokens`.
+  its fastest setting), lorarl at its default `actor.micro_batch_tokens`;
+- sampling: TRL without vLLM generates with its training model (fp32); lorarl's engine at its default
+  `rollout.dtype=auto` samples in bf16 where the CPU computes it natively, as a vLLM engine would (the JSON's
+  `lorarl_rollout_dtype`). `--rollout-dtype float32` makes lorarl sample in fp32 too.
 
 Per case it prints `case, lorarl_s_per_step, trl_s_per_step, speedup` (TRL's time / lorarl's: > 1 is lorarl faster),
 `lorarl_peak_rss_gb, trl_peak_rss_gb` (the sum of the resident memory of the whole process tree, the rollout worker
@@ -16,6 +19,7 @@ included, sampled every 20 ms) and the mean reward of the last steps on both sid
 over the runs, of the wall time between the ends of consecutive steps after the warm-up steps.
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
+        [--rollout-dtype auto|float32|bfloat16]
 """
 
 import argparse
@@ -85,14 +89,14 @@ def make_model(case: Case, directory: Path) -> Path:
 # --- the two sides, each run in a process of its own ---------------------------------------------------------------
 
 
-def run_lorarl(case: Case, model: Path, output: Path, steps: int) -> dict:
+def run_lorarl(case: Case, model: Path, output: Path, steps: int, rollout_dtype: str) -> dict:
     from lorarl.trainer.config import load_config
     from lorarl.trainer.loop import Trainer
 
     config = load_config(overrides=[
         f"model.path={model}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
         f"data.batch_size={case.prompts}", f"rollout.n={GENERATIONS}", f"rollout.max_tokens={case.max_tokens}",
-        f"actor.lr={case.lr}",
+        f"actor.lr={case.lr}", f"rollout.dtype={rollout_dtype}",
         "algorithm.kl_coef=0", f"trainer.steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={output}",
         f"trainer.seed={SEED}", "trainer.device=cpu",
     ])  # fmt: skip
@@ -108,10 +112,10 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int) -> dict:
 
     trainer.train_step = timed_step
     trainer.run()
-    return {"step_ends": ends, "rewards": rewards}
+    return {"step_ends": ends, "rewards": rewards, "rollout_dtype": str(trainer.rollout_dtype).removeprefix("torch.")}
 
 
-def run_trl(case: Case, model_path: Path, output: Path, steps: int) -> dict:
+def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtype: str) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -152,7 +156,7 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int) -> dict:
         callbacks=[Timing()],
     )  # fmt: skip
     trainer.train()
-    return {"step_ends": ends, "rewards": rewards}
+    return {"step_ends": ends, "rewards": rewards, "rollout_dtype": "float32"}  # it samples with its training model
 
 
 SIDES = {"lorarl": run_lorarl, "trl": run_trl}
@@ -177,12 +181,13 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int) -> dict:
+def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, rollout_dtype: str) -> dict:
     """One run in a fresh process; its seconds per step (median interval after the warm-up) and peak tree RSS."""
     output = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{side}-"))
     result_file = output / "result.json"
     command = [sys.executable, __file__, "--worker", side, "--case", case.name, "--model", str(model),
-               "--output", str(output), "--steps", str(steps), "--result", str(result_file)]  # fmt: skip
+               "--output", str(output), "--steps", str(steps), "--result", str(result_file),
+               "--rollout-dtype", rollout_dtype]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = 0
     stderr: list[str] = []
@@ -197,17 +202,22 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int) -> d
     result = json.loads(result_file.read_text())
     ends = result["step_ends"]
     intervals = [b - a for a, b in zip(ends[case.warmup - 1 :], ends[case.warmup :], strict=False)]
-    return {"s_per_step": statistics.median(intervals), "peak_rss": peak, "rewards": result["rewards"]}
+    return {
+        "s_per_step": statistics.median(intervals),
+        "peak_rss": peak,
+        "rewards": result["rewards"],
+        "rollout_dtype": result["rollout_dtype"],
+    }
 
 
-def measure(case: Case, workdir: Path, *, quick: bool, repeats: int) -> dict:
+def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, rollout_dtype: str) -> dict:
     model = make_model(case, workdir)
     timed = max(2, case.steps // 3) if quick else case.steps
     steps = case.warmup + timed
     runs: dict[str, list[dict]] = {"lorarl": [], "trl": []}
     for _ in range(repeats):
         for side in ("lorarl", "trl"):  # interleaved: A, B, A, B
-            runs[side].append(run_side(side, case, model, workdir, steps))
+            runs[side].append(run_side(side, case, model, workdir, steps, rollout_dtype))
     out = {"case": case.name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
            "timed_steps": timed}  # fmt: skip
     for side, side_runs in runs.items():
@@ -216,6 +226,7 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int) -> dict:
         out[f"{side}_peak_rss_gb"] = max(r["peak_rss"] for r in side_runs) / GB
         last = max(1, timed // 2)
         out[f"{side}_final_reward"] = statistics.mean(r for run in side_runs for r in run["rewards"][-last:])
+        out[f"{side}_rollout_dtype"] = side_runs[0]["rollout_dtype"]
     out["speedup"] = out["trl_s_per_step"] / out["lorarl_s_per_step"]
     out["memory_ratio"] = out["lorarl_peak_rss_gb"] / out["trl_peak_rss_gb"]
     return out
@@ -226,6 +237,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (within 10 minutes on 2 vCPUs)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side per case, interleaved")
+    parser.add_argument(
+        "--rollout-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="lorarl's rollout.dtype (TRL samples with its fp32 training model)",
+    )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -234,7 +251,8 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = SIDES[args.worker](CASES[args.case], Path(args.model), Path(args.output), args.steps)
+        side = SIDES[args.worker]
+        result = side(CASES[args.case], Path(args.model), Path(args.output), args.steps, args.rollout_dtype)
         Path(args.result).write_text(json.dumps(result))
         return
     names = args.cases.split(",")
@@ -244,7 +262,18 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="step_vs_trl-") as workdir:
         for name in names:
-            print(json.dumps(measure(CASES[name], Path(workdir), quick=args.quick, repeats=args.repeats)), flush=True)
+            print(
+                json.dumps(
+                    measure(
+                        CASES[name],
+                        Path(workdir),
+                        quick=args.quick,
+                        repeats=args.repeats,
+                        rollout_dtype=args.rollout_dtype,
+                    )
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

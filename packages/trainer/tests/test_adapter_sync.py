@@ -15,7 +15,9 @@ from lorarl.trainer.presets import PRESETS
 
 @pytest.mark.parametrize("worker", ["process", "inline"])
 def test_the_served_adapter_generates_what_the_merged_weights_generate(tiny_setup, tmp_path, worker):
-    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker)
+    # in float32: in bfloat16 the two round differently (the merged weight once, the unmerged path per product)
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker,
+                               rollout__dtype="float32")  # fmt: skip
     trainer = Trainer(load_config(None, overrides, presets=PRESETS))
     trainer.engine = trainer._start_engine()
     try:

@@ -51,7 +51,8 @@ def test_rollout_correction_sees_the_engine_agree_with_the_trainer(tiny_setup, t
     """fp32 engine and trainer on the same weights: the engine's log-probs (at temperature 1.3) equal the trainer's
     old log-probs, so every step's mismatch is ~0 and the importance weights ~1."""
     out = tmp_path / "out"
-    overrides = tiny_overrides(tiny_setup, out, algorithm__rollout_correction="sequence", rollout__temperature=1.3)
+    overrides = tiny_overrides(tiny_setup, out, algorithm__rollout_correction="sequence", rollout__temperature=1.3,
+                               rollout__dtype="float32")  # fmt: skip
     assert main(overrides) == 0
     records = metrics(out)
     assert rises(records)

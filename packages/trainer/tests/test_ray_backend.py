@@ -36,7 +36,7 @@ def test_two_replicas_receive_the_merged_weights_and_share_the_prompts(tiny_setu
 
         class Merged(torch.nn.Module):  # the trainer's merged weights, checksummed the way the engines do
             def state_dict(self, *args, **kwargs):
-                return dict(iter_merged_weights(trainer.model))
+                return dict(iter_merged_weights(trainer.model, dtype=trainer.rollout_dtype))
 
         assert trainer.engine.weights_checksum() == _checksum(Merged())  # both replicas hold exactly these
         prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11], [12]]

@@ -71,6 +71,10 @@ class RolloutSection:
     max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
     sync: str = option("merged", "merged weights, the adapter alone (served unmerged), or auto (measure both once)",
                        ("merged", "adapter", "auto"))  # fmt: skip
+    dtype: str = option("auto", "the engine's weights dtype; auto: bfloat16 for a float32 model where the device "
+                        "computes bfloat16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else model.dtype "
+                        "(the trainer recomputes log-probs in model.dtype either way)",
+                        ("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     bucket_mb: int = option(256, "weight-sync bucket size (MB)")
     batch_size: int = option(256, "sequences the hf engine generates at once")
     tensor_parallel_size: int = option(1, "GPUs per vllm engine (its workers shard the received weights)", minimum=1)

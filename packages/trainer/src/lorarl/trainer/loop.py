@@ -18,7 +18,7 @@ from lorarl.trainer.engine import Completion, EngineError, InlineEngine, Process
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.logprobs import micro_batch, micro_batches, resolve_layout, response_logprobs, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, plot
-from lorarl.trainer.models import Policy, load_tokenizer
+from lorarl.trainer.models import Policy, load_tokenizer, rollout_dtype
 from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
 
 
@@ -40,6 +40,7 @@ class Trainer:
             raise TrainerError("rollout.overlap generates beside the training: it needs rollout.worker=process")
         self.dp, self.device = setup_data_parallel(self.device)
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
+        self.rollout_dtype = rollout_dtype(config.rollout.dtype, self.policy.dtype, self.device)
         self.model = self.policy.model
         self.layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
         # a GRPO group's responses share their prompt: run it once (padded layout, log-probs from the hidden states)
@@ -116,14 +117,14 @@ class Trainer:
             from lorarl.trainer.vllm_engine import vllm_settings
 
             adapter_rank = self.model.peft_config["default"].r if r.sync != "merged" else None
-            settings = vllm_settings(self.policy.path, dtype=self.policy.dtype, seed=t.seed, devices=r.devices,
+            settings = vllm_settings(self.policy.path, dtype=self.rollout_dtype, seed=t.seed, devices=r.devices,
                                      tensor_parallel_size=r.tensor_parallel_size, max_model_len=r.max_model_len,
                                      gpu_memory_utilization=r.gpu_memory_utilization,
                                      adapter_rank=adapter_rank)  # fmt: skip
         else:
             # generating on the CPU beside the training (rollout.overlap): one core, so the two do not oversubscribe
             threads = 1 if r.overlap and self.device.type == "cpu" else None
-            settings = hf_settings(self.policy.path, dtype=self.policy.dtype, device=str(self.device),
+            settings = hf_settings(self.policy.path, dtype=self.rollout_dtype, device=str(self.device),
                                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                                    batch_size=r.batch_size, threads=threads)  # fmt: skip
         if r.engine == "vllm" and t.backend == "local" and r.devices is None:
@@ -466,7 +467,7 @@ class Trainer:
         weights alone ("base"); default: this run's sync mode. With data parallelism every rank takes part in the
         gathers; rank 0 sends."""
         version = self.version if version is None else version
-        dtype, stats = self.policy.dtype, None
+        dtype, stats = self.rollout_dtype, None
         mode = mode or self.sync_mode
         if mode == "base":
             with self.model.disable_adapter():

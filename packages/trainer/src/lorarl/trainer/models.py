@@ -18,6 +18,22 @@ from lorarl.trainer.errors import TrainerError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def rollout_dtype(name: str, training: torch.dtype, device: torch.device) -> torch.dtype:
+    """The rollout engine's dtype (`rollout.dtype`). "auto" samples a float32 model in bfloat16 where the device
+    computes it natively — as a vLLM engine serves bf16 while the trainer keeps fp32: on a 2-core AVX512-BF16 CPU the
+    decode of a 46M model took 0.64 of its fp32 time (the training log-probs are recomputed in `training` anyway)."""
+    if name != "auto":
+        return DTYPES[name]
+    if training != torch.float32:
+        return training
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    else:
+        capabilities = torch.cpu.get_capabilities() if device.type == "cpu" else {}
+        native = bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
+    return torch.bfloat16 if native else training
+
+
 def resolve_model_path(path: str) -> Path:
     resolved = default_task.MODEL_DIR if path == "default" else Path(path)
     if not (resolved / "config.json").is_file():
