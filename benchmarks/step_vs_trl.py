@@ -16,7 +16,8 @@ model, tokenizer, prompts, reward and settings:
 Per case it prints `case, lorarl_s_per_step, trl_s_per_step, speedup` (TRL's time / lorarl's: > 1 is lorarl faster),
 `lorarl_peak_rss_gb, trl_peak_rss_gb` (the sum of the resident memory of the whole process tree, the rollout worker
 included, sampled every 20 ms) and the mean reward of the last steps on both sides. Seconds per step are the medians,
-over the runs, of the wall time between the ends of consecutive steps after the warm-up steps.
+over the runs, of the wall time between the ends of consecutive steps after the warm-up steps. lorarl's C++ merge op
+is JIT-built once per machine (then cached): it is built before the first run, so no compiler counts in a tree.
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
         [--rollout-dtype auto|float32|bfloat16]
@@ -260,6 +261,9 @@ def main() -> None:
     if unknown:
         parser.error(f"--cases: unknown {unknown}; expected names from {list(CASES)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from lorarl.lora_merge import available_backends
+
+    available_backends("cpu")  # lorarl's C++ merge op is built on first use, then cached: not inside a timed run
     with tempfile.TemporaryDirectory(prefix="step_vs_trl-") as workdir:
         for name in names:
             print(

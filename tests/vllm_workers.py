@@ -122,8 +122,8 @@ def shared_engine(port: int, rank: int, dist_port: int):
 def colocated_engine(port: int, rank: int):
     """The colocated engine's shared-bucket path (tensor-parallel workers in processes of their own), its worker here
     in a thread: a version loads; an input that fails part-way leaves the engine refusing to generate."""
-    from lorarl.trainer.engine import EngineError
-    from lorarl.trainer.vllm_engine import ColocatedVllmEngine
+    from lorarl.trainer.engines import EngineError
+    from lorarl.trainer.engines.vllm_colocated import ColocatedVllmEngine
 
     model = tiny_lora_qwen2()
     llm = LocalLLM([vllm_worker(port)])

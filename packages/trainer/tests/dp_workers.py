@@ -6,10 +6,11 @@ import random
 from trainer_fixtures import tiny_overrides
 
 from lorarl.trainer.config import load_config
-from lorarl.trainer.engine import Completion
-from lorarl.trainer.loop import Sample, Trainer
+from lorarl.trainer.engines import Completion
+from lorarl.trainer.loop import Trainer
 from lorarl.trainer.parallel import full_state_dict
 from lorarl.trainer.presets import PRESETS
+from lorarl.trainer.rollout import Sample
 
 
 def fixed_samples(groups: int = 6, n: int = 4) -> list[Sample]:
@@ -31,7 +32,7 @@ def one_step(port: int, rank: int, world: int, setup: dict, output_dir: str, ext
                       MASTER_PORT=str(port))  # fmt: skip
     trainer = Trainer(load_config(None, tiny_overrides(setup, output_dir, **extra), presets=PRESETS))
     assert (trainer.dp is None) == (world == 1)
-    trainer._collect = lambda step: (fixed_samples(), {})  # the same batch whatever the world size
+    trainer.rollouts.collect = lambda step, version: (fixed_samples(), {})  # the same batch whatever the world size
     metrics = trainer.train_step(1)
     trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
     weights = {name: t.numpy() for name, t in full_state_dict(trainable).items()}

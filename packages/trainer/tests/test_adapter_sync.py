@@ -19,21 +19,21 @@ def test_the_served_adapter_generates_what_the_merged_weights_generate(tiny_setu
     overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker,
                                rollout__dtype="float32")  # fmt: skip
     trainer = Trainer(load_config(None, overrides, presets=PRESETS))
-    trainer.engine = trainer._start_engine()
+    trainer.start_engine()
     try:
-        trainer._sync()
+        trainer.weights.sync()
         with torch.no_grad():  # a non-zero adapter (peft starts B at zero), as training would make it
             for name, p in trainer.model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
-        trainer._sync(version=3)  # sent as an adapter
+        trainer.weights.sync(version=3)  # sent as an adapter
         assert trainer.engine.version == 3
-        prompts = [e.prompt_ids for e in trainer.train_set[:6]]
+        prompts = [e.prompt_ids for e in trainer.rollouts.examples[:6]]
         served = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
-        trainer._sync(version=3, mode="merged")  # the same weights, merged this time
+        trainer.weights.sync(version=3, mode="merged")  # the same weights, merged this time
         merged = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
-        trainer._sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
-        trainer._sync(version=3, mode="adapter")
+        trainer.weights.sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
+        trainer.weights.sync(version=3, mode="adapter")
         again = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
     finally:
         trainer.engine.close()

@@ -220,5 +220,5 @@ def test_bad_names_are_rejected():
         policy_loss("dpo", mask.float(), mask.float(), mask.float(), mask)
     with pytest.raises(ValueError, match="mode"):
         aggregate(mask.float(), mask, "sum")
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="KL estimator"):
         kl_penalty(mask.float(), mask.float(), "k4")

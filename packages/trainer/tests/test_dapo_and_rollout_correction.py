@@ -17,9 +17,11 @@ from lorarl.trainer.algorithms import (
     rollout_mismatch,
 )
 from lorarl.trainer.config import load_config
-from lorarl.trainer.engine import Completion
-from lorarl.trainer.loop import Sample, Trainer, _batch
+from lorarl.trainer.engines import Completion
+from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
+from lorarl.trainer.rollout import Sample
+from lorarl.trainer.update import to_batch
 
 
 @pytest.mark.parametrize(("max_tokens", "buffer", "penalty"), [(20, 4, 1.0), (20, 20, 0.5), (8, 1, 2.0)])
@@ -135,14 +137,14 @@ def scripted_trainer(tiny_setup, tmp_path, rounds_script, **extra):
                          presets=PRESETS)  # fmt: skip
     trainer = Trainer(config)
     script = iter(rounds_script)
-    trainer._generate = lambda step, round_, first_group: crafted(next(script), first_group)
+    trainer.rollouts.generate = lambda step, round_, first_group, version: crafted(next(script), first_group)
     return trainer
 
 
 def test_dynamic_sampling_refills_with_informative_groups(tiny_setup, tmp_path):
     rounds = [[[1, 1], [0, 1], [0, 0]], [[1, 0], [0.5, 0.5], [1, 0]], [[0, 1], [0, 1], [0, 1]]]
     trainer = scripted_trainer(tiny_setup, tmp_path, rounds, algorithm__dynamic_sampling=True)
-    kept, metrics = trainer._collect(step=1)
+    kept, metrics = trainer.rollouts.collect(1, version=0)
     assert sorted({s.group for s in kept}) == [1, 3, 5]  # two rounds were enough: the third is never drawn
     assert len(kept) == 6
     assert (metrics["sampling/rounds"], metrics["sampling/prompts"], metrics["sampling/kept_groups"]) == (2, 6, 3)
@@ -152,7 +154,7 @@ def test_dynamic_sampling_refills_with_informative_groups(tiny_setup, tmp_path):
 def test_dynamic_sampling_keeps_batch_size_groups(tiny_setup, tmp_path):
     rounds = [[[1, 1], [0, 1], [0, 0]], [[1, 0], [0, 1], [1, 0]]]
     trainer = scripted_trainer(tiny_setup, tmp_path, rounds, algorithm__dynamic_sampling=True)
-    kept, metrics = trainer._collect(step=1)
+    kept, metrics = trainer.rollouts.collect(1, version=0)
     assert sorted({s.group for s in kept}) == [1, 3, 4]  # the first three informative groups; group 5 is dropped
     assert metrics["sampling/kept_groups"] == 3
 
@@ -161,7 +163,7 @@ def test_dynamic_sampling_stops_at_the_round_cap(tiny_setup, tmp_path):
     rounds = [[[1, 1], [0, 1], [0, 0]], [[0, 0], [1, 1], [1, 1]], [[0, 1], [0, 1], [0, 1]]]
     trainer = scripted_trainer(tiny_setup, tmp_path, rounds, algorithm__dynamic_sampling=True,
                                algorithm__max_sampling_rounds=2)  # fmt: skip
-    kept, metrics = trainer._collect(step=1)
+    kept, metrics = trainer.rollouts.collect(1, version=0)
     assert [s.group for s in kept] == [1, 1]  # trains on what was kept
     assert (metrics["sampling/rounds"], metrics["sampling/kept_groups"]) == (2, 1)
 
@@ -170,14 +172,14 @@ def test_dynamic_sampling_with_nothing_informative_trains_on_the_last_round(tiny
     rounds = [[[1, 1], [0, 0], [0, 0]], [[1, 1], [1, 1], [0, 0]]]
     trainer = scripted_trainer(tiny_setup, tmp_path, rounds, algorithm__dynamic_sampling=True,
                                algorithm__max_sampling_rounds=2)  # fmt: skip
-    kept, metrics = trainer._collect(step=1)
+    kept, metrics = trainer.rollouts.collect(1, version=0)
     assert [s.group for s in kept] == [3, 3, 4, 4, 5, 5]
     assert metrics["sampling/kept_groups"] == 0
 
 
 def test_without_dynamic_sampling_one_round_is_used_as_is(tiny_setup, tmp_path):
     trainer = scripted_trainer(tiny_setup, tmp_path, [[[1, 1], [0, 1], [0, 0]]])
-    kept, metrics = trainer._collect(step=1)
+    kept, metrics = trainer.rollouts.collect(1, version=0)
     assert len(kept) == 6
     assert "sampling/rounds" not in metrics
 
@@ -185,8 +187,8 @@ def test_without_dynamic_sampling_one_round_is_used_as_is(tiny_setup, tmp_path):
 def test_truncated_responses_get_no_loss_when_masked():
     samples = crafted([[1, 0]], 0) + crafted([[1, 0]], 1, finished=False)
     samples[0] = Sample([1], Completion(0, (4,), (-0.5,), True, 0), 0, 1.0, 1.0)  # a shorter response
-    plain = _batch(samples, mask_truncated=False)
-    masked = _batch(samples, mask_truncated=True)
+    plain = to_batch(samples, mask_truncated=False)
+    masked = to_batch(samples, mask_truncated=True)
     assert plain.response_mask.tolist() == [[True, False, False]] + [[True] * 3] * 3
     assert torch.equal(masked.response_mask, plain.response_mask)
     assert masked.loss_mask.tolist() == [[True, False, False], [True] * 3, [False] * 3, [False] * 3]

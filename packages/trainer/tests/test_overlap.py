@@ -9,10 +9,11 @@ from trainer_fixtures import tiny_overrides
 
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
-from lorarl.trainer.engine import Completion, EngineError
+from lorarl.trainer.engines import Completion, EngineError
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
+from lorarl.trainer.rollout import check_versions
 
 OVERLAP = {"rollout__overlap": "true", "rollout__worker": "process", "algorithm__rollout_correction": "token"}
 
@@ -30,15 +31,14 @@ def test_overlapped_rollouts_lag_one_update_and_the_run_learns(tiny_setup, tmp_p
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
 
 
-def test_rollouts_older_than_the_allowed_lag_are_refused(tiny_setup, tmp_path):
-    for overlap, allowed, refused in ((True, (4, 5), 3), (False, (5,), 4)):
-        extra = OVERLAP if overlap else {}
-        trainer = Trainer(load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", **extra), presets=PRESETS))
-        trainer.version = 5
+def test_rollouts_older_than_the_allowed_lag_are_refused():
+    for lag, allowed, refused in ((1, (4, 5), 3), (0, (5,), 4)):  # rollout.overlap allows one update behind
         for version in allowed:
-            trainer._check_versions([Completion(0, (2,), (-0.1,), True, version)])
+            check_versions([Completion(0, (2,), (-0.1,), True, version)], 5, lag=lag)
         with pytest.raises(EngineError, match=f"version \\[{refused}\\]"):
-            trainer._check_versions([Completion(0, (2,), (-0.1,), True, refused)])
+            check_versions([Completion(0, (2,), (-0.1,), True, refused)], 5, lag=lag)
+    with pytest.raises(EngineError, match="version \\[6\\]"):  # nor from weights the trainer has not sent
+        check_versions([Completion(0, (2,), (-0.1,), True, 6)], 5, lag=1)
 
 
 @pytest.mark.parametrize(

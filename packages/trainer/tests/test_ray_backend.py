@@ -4,16 +4,15 @@ gloo group, prompts spread across them; a short run learns as the local backend 
 import json
 
 import pytest
-import torch
 from trainer_fixtures import tiny_overrides
 
 from lorarl.lora_merge import iter_merged_weights
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
-from lorarl.trainer.engine import _checksum
+from lorarl.trainer.engines.hf import checksum
+from lorarl.trainer.engines.ray_actors import RayEngines  # before Ray itself: it settles how Ray starts workers
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
-from lorarl.trainer.ray_engine import RayEngines  # before Ray itself: it settles how Ray starts workers
 
 pytest.importorskip("ray")
 
@@ -23,22 +22,19 @@ def test_two_replicas_receive_the_merged_weights_and_share_the_prompts(tiny_setu
 
     overrides = tiny_overrides(tiny_setup, tmp_path / "out", trainer__backend="ray", rollout__replicas=2)
     trainer = Trainer(load_config(None, overrides, presets=PRESETS))
-    trainer.engine = trainer._start_engine()
+    trainer.start_engine()
     assert isinstance(trainer.engine, RayEngines)
     try:
         pids = ray.get([actor.__ray_call__.remote(lambda self: __import__("os").getpid()) for actor in
                         trainer.engine.actors])  # fmt: skip
         assert len(set(pids)) == 2
-        trainer._sync()
+        trainer.weights.sync()
         metrics = trainer.train_step(1)
         assert trainer.engine.version == 1
         assert metrics["sync/bytes"] > 0
 
-        class Merged(torch.nn.Module):  # the trainer's merged weights, checksummed the way the engines do
-            def state_dict(self, *args, **kwargs):
-                return dict(iter_merged_weights(trainer.model, dtype=trainer.rollout_dtype))
-
-        assert trainer.engine.weights_checksum() == _checksum(Merged())  # both replicas hold exactly these
+        merged = iter_merged_weights(trainer.model, dtype=trainer.rollout_dtype)
+        assert trainer.engine.checksum() == checksum(merged)  # both replicas hold exactly the trainer's merged weights
         prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11], [12]]
         completions = trainer.engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=3, seed=0)
         assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorarl.trainer import default_task
-from lorarl.trainer.vllm_engine import engine_args, sampling_args, to_completions, vllm_settings
+from lorarl.trainer.engines.vllm_worker import VllmSettings, engine_args, sampling_args, to_completions
 
 vllm = pytest.importorskip("vllm")
 
@@ -19,7 +19,7 @@ def settings(**extra):
     values = {"dtype": torch.bfloat16, "tensor_parallel_size": 2, "gpu_memory_utilization": 0.4, "max_model_len": 2048,
               "seed": 3, "adapter_rank": None, "devices": "1,2"}  # fmt: skip
     values.update(extra)
-    return vllm_settings(default_task.MODEL_DIR, **values)  # a real local model directory
+    return VllmSettings(str(default_task.MODEL_DIR), **values)  # a real local model directory
 
 
 def test_engine_args_are_vllm_engine_args_with_the_real_weights():
@@ -38,7 +38,7 @@ def test_engine_args_are_vllm_engine_args_with_the_real_weights():
 
 def test_the_settings_say_how_to_sync():
     s = settings()
-    assert (s["kind"], s["sync_backend"], s["sync_ranks"]) == ("vllm", "nccl", 2)  # one sync rank per TP worker
+    assert (s.sync_backend, s.sync_ranks) == ("nccl", 2)  # one sync rank per TP worker
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 0.9), (0.7, 1.0), (0.0, 0.5)])
@@ -84,6 +84,7 @@ def test_completions_from_vllm_outputs():
 
 
 def test_importing_the_engine_module_does_not_import_vllm():
-    code = "import sys, lorarl.trainer.vllm_engine, lorarl.trainer.loop; print('vllm' in sys.modules)"
+    modules = "lorarl.trainer.engines.vllm_worker, lorarl.trainer.engines.vllm_colocated, lorarl.trainer.loop"
+    code = f"import sys, {modules}; print('vllm' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lorarl.trainer.errors import TrainerError
+
 STATE = "trainer_state.pt"
 
 
@@ -35,6 +37,17 @@ def save(output_dir: Path, step: int, model: nn.Module, *, is_lora: bool, state:
         shutil.rmtree(final)
     os.replace(temporary, final)
     return final
+
+
+def to_resume(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint `trainer.resume` names: none ("never"), the latest in `output_dir` ("auto"; none there: a fresh
+    run), or a checkpoint directory."""
+    if resume == "never":
+        return None
+    path = latest(output_dir) if resume == "auto" else Path(resume)
+    if path is not None and not (path / STATE).is_file():
+        raise TrainerError(f"trainer.resume={resume!r}: {path} is not a checkpoint")
+    return path
 
 
 def latest(output_dir: Path) -> Path | None:

@@ -10,6 +10,7 @@ with `algorithm=<name>` (or `algorithm: <name>` in the file).
 
 import difflib
 import typing
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -17,14 +18,18 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from lorarl.trainer.algorithms import ADVANTAGES, AGG_MODES, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
+from lorarl.trainer.engines import ENGINES
+
 
 class ConfigError(ValueError):
     """A configuration the trainer cannot run: names the key, says what is expected."""
 
 
-def option(default, help: str, choices: tuple | None = None, *, minimum: float | None = None,
+def option(default, help: str, choices: Iterable | None = None, *, minimum: float | None = None,
            maximum: float | None = None):  # fmt: skip
-    """A key: its default, one-line meaning, and the values it accepts (a set of choices or an inclusive range)."""
+    """A key: its default, one-line meaning, and the values it accepts (choices — a tuple, or a registry whose names
+    are read when a config is checked, so that entries registered later count — or an inclusive range)."""
     meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -63,8 +68,7 @@ class DataSection:
 
 @dataclass
 class RolloutSection:
-    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU; see rollout.worker) or vllm (GPU)",
-                         ("hf", "vllm"))  # fmt: skip
+    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU) or vllm (GPU); see engines/", ENGINES)
     n: int = option(8, "responses sampled per prompt (the GRPO group size)", minimum=1)
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
@@ -81,8 +85,9 @@ class RolloutSection:
     gpu_memory_utilization: float = option(0.5, "share of each engine GPU vllm may use", minimum=0.05, maximum=1.0)
     max_model_len: int | None = option(None, "vllm context length (None: the model's)")
     devices: str | None = option(None, "GPUs of a local vllm engine (CUDA_VISIBLE_DEVICES); None = colocated")
-    worker: str = option("inline", "where the hf engine runs: in the trainer's process (weights copied in, no second "
-                         "copy of the libraries) or a process of its own (fed over gloo/NCCL; needed by overlap)",
+    worker: str = option("inline", "where the engine runs: in the trainer's process (weights copied in, no second "
+                         "copy of the libraries; vllm: colocated on the trainer's GPUs) or a process of its own (fed "
+                         "over gloo/NCCL; needed by overlap; implied by rollout.devices)",
                          ("inline", "process"))  # fmt: skip
     overlap: bool = option(False, "generate the next batch while training on this one: one step off-policy (its "
                            "rollouts come from the weights one update behind), corrected by "
@@ -94,22 +99,16 @@ class RolloutSection:
 @dataclass
 class AlgorithmSection:
     name: str = option("grpo", "preset this section started from")
-    adv_estimator: str = option(
-        "grpo", "advantage estimator", ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-    )
+    adv_estimator: str = option("grpo", "advantage estimator (algorithms/advantages.py)", ADVANTAGES)
     norm_std: bool = option(True, "divide group-centred rewards by the group's std (grpo)")
     gamma: float = option(1.0, "discount along the response (reinforce_pp)")
-    policy_loss: str = option("ppo", "policy loss", ("ppo", "gspo", "cispo"))
+    policy_loss: str = option("ppo", "policy loss (algorithms/policy_losses.py)", POLICY_LOSSES)
     clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low)", minimum=0.0, maximum=1.0)
     clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)", minimum=0.0)
     dual_clip: float | None = option(None, "dual-clip bound c > 1 for negative advantages (None = off)")
-    loss_agg_mode: str = option(
-        "token-mean",
-        "loss aggregation",
-        ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    )
+    loss_agg_mode: str = option("token-mean", "loss aggregation", AGG_MODES)
     kl_coef: float = option(0.0, "weight of the KL to the reference policy (0 = off)")
-    kl_estimator: str = option("k3", "KL estimator", ("k1", "k2", "k3", "low_var_kl"))
+    kl_estimator: str = option("k3", "KL estimator (algorithms/kl.py)", KL_ESTIMATORS)
     kl_in_reward: bool = option(False, "subtract the KL from the reward instead of adding a loss term")
     entropy_coef: float = option(0.0, "entropy bonus weight")
     ppo_epochs: int = option(1, "passes over each rollout batch", minimum=1)
@@ -121,7 +120,7 @@ class AlgorithmSection:
     )
     overlong_penalty: float = option(1.0, "overlong shaping: the penalty at rollout.max_tokens")
     mask_truncated: bool = option(False, "responses cut at rollout.max_tokens get no loss (DAPO's overlong filtering)")
-    rollout_correction: str = option("none", "truncated IS against engine mismatch", ("none", "token", "sequence"))
+    rollout_correction: str = option("none", "truncated IS against engine mismatch", ("none", *IS_LEVELS))
     rollout_correction_cap: float = option(2.0, "truncation cap of the rollout-correction weights", minimum=1.0)
 
 

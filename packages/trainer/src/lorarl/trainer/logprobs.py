@@ -168,8 +168,9 @@ def response_logprobs(
     if micro.prompts is not None:  # each distinct prompt once: its hidden states and KV cache, one per sample
         with _head_replaced(head, lambda hidden: hidden):
             out = model(**micro.prompts.inputs, use_cache=True)
-        out.past_key_values.batch_select_indices(micro.prompts.which)
-        prefix, cache = out.logits[micro.prompts.which], {"past_key_values": out.past_key_values, "use_cache": True}
+        which = micro.prompts.which.to(out.logits.device)
+        _select_rows(out.past_key_values, which)
+        prefix, cache = out.logits.index_select(0, which), {"past_key_values": out.past_key_values, "use_cache": True}
 
     def score(hidden: Tensor) -> Tensor:
         full = hidden if prefix is None else torch.cat([prefix, hidden], 1)
@@ -180,6 +181,14 @@ def response_logprobs(
     with _head_replaced(head, score):
         values = model(**micro.inputs, **cache).logits  # what the head returned: [Tr, 2]
     return _on_slots(values, mask)
+
+
+def _select_rows(cache, which: Tensor) -> None:
+    """`cache.batch_select_indices(which)` by `index_select`, whose backward adds the gradients of a row's repeats
+    in a fixed order: the advanced indexing transformers uses accumulates them in parallel on CPU, in an order that
+    changes from run to run (so did the trained weights)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, which), layer.values.index_select(0, which)
 
 
 def scores_from_hidden(model: nn.Module) -> bool:

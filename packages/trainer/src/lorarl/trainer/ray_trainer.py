@@ -6,7 +6,7 @@ torch.distributed group from rank 0's address and run the same `Trainer` as `tor
 import os
 
 from lorarl.trainer.config import Config
-from lorarl.trainer.ray_engine import connect
+from lorarl.trainer.engines.ray_actors import connect
 from lorarl.weight_sync import free_port
 
 

@@ -1,5 +1,6 @@
 """Bucketed weight transfer over torch.distributed (NCCL on GPU, gloo on CPU) into a rollout engine."""
 
+from lorarl.weight_sync.adapter_dir import save_adapter
 from lorarl.weight_sync.group import create_sync_group, free_port
 from lorarl.weight_sync.local import copy_into
 from lorarl.weight_sync.protocol import PROTOCOL_VERSION, ProtocolError, TensorSpec, TransferError
@@ -19,4 +20,5 @@ __all__ = [
     "copy_into",
     "create_sync_group",
     "free_port",
+    "save_adapter",
 ]

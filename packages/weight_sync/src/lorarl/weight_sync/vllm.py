@@ -13,14 +13,14 @@ not import vLLM; the extension's methods do, inside the worker.
 """
 
 import concurrent.futures
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from lorarl.weight_sync.adapter_dir import save_adapter
 from lorarl.weight_sync.group import create_sync_group, free_port
-from lorarl.weight_sync.protocol import TensorSpec, TransferError, jsonable
+from lorarl.weight_sync.protocol import TensorSpec, TransferError
 from lorarl.weight_sync.receiver import BucketReceiver
 from lorarl.weight_sync.sender import DEFAULT_BUCKET_BYTES, BucketSender, SyncStats
 from lorarl.weight_sync.shared import BucketMailbox
@@ -96,15 +96,6 @@ def finish_loading(model: torch.nn.Module, model_config: object, device: torch.d
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     process_weights_after_loading(model, model_config, device)
-
-
-def save_adapter(tensors: Mapping[str, torch.Tensor], config: dict, directory: Path) -> None:
-    """A peft adapter directory: `adapter_config.json` (sets and enums as JSON) and `adapter_model.safetensors`."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.contiguous().cpu() for name, t in tensors.items()}, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(jsonable(config), indent=2))
 
 
 class VllmWeightSync:

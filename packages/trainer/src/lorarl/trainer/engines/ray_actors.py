@@ -1,4 +1,4 @@
-"""Rollout engines as Ray actors (`trainer.backend=ray`): `rollout.replicas` workers (HF or vLLM) in a placement
+"""The Ray placement (`trainer.backend=ray`): `rollout.replicas` workers (HF or vLLM) in a placement
 group, the prompts spread across them, the weights broadcast to all of them at once over one sync group (the trainer
 is rank 0, then each replica's ranks: one per HF worker, one per tensor-parallel vLLM worker). Ray places the actors,
 on this machine or across a cluster (`trainer.ray_address`)."""
@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engine import Completion, EngineError, agreed, expect_version, sync_sender, worker_class
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, agreed
+from lorarl.trainer.engines.process import sync_sender
 from lorarl.weight_sync import SyncStats, TensorSpec, create_sync_group, free_port
 
 # Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
@@ -31,28 +32,29 @@ def connect(address: str | None, *, cpus: int) -> bool:
 class RayEngines:
     """The `RolloutEngine` interface over several worker actors."""
 
-    def __init__(self, settings: dict, *, replicas: int, bucket_bytes: int, address: str | None = None):
+    def __init__(self, worker_class: type, settings, *, replicas: int, bucket_bytes: int, address: str | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.timeout = settings["timeout"]
+        self.timeout = settings.timeout
         self.started_ray = connect(address, cpus=replicas + 1)
-        gpus = settings["sync_ranks"] if settings["device"].startswith("cuda") else 0  # a vLLM replica: TP GPUs
+        gpus = settings.sync_ranks if settings.device.startswith("cuda") else 0  # a vLLM replica: TP GPUs
         self.placement = placement_group([{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}] * replicas, strategy="PACK")
         self._get(self.placement.ready(), f"placing {replicas} rollout replicas (not enough free resources?)")
-        worker = ray.remote(worker_class(settings["kind"]))
+        worker = ray.remote(worker_class)
         self.actors = [
             worker.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement, placement_group_bundle_index=i)).remote(settings)
             for i in range(replicas)
         ]  # fmt: skip
-        ranks = settings["sync_ranks"]
+        ranks = settings.sync_ranks
         world = 1 + replicas * ranks
         host, port = ray.util.get_node_ip_address(), free_port()
         joined = [actor.join.remote(host, port, world, 1 + i * ranks) for i, actor in enumerate(self.actors)]
-        group = create_sync_group(host, port, world, 0, backend=settings["sync_backend"], timeout=self.timeout)
+        group = create_sync_group(host, port, world, 0, backend=settings.sync_backend, timeout=self.timeout)
         self.sender = sync_sender(group, settings, bucket_bytes)
+        self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = agreed(self._get(joined, "start"), "weights version")
 
     def generate(
@@ -83,20 +85,16 @@ class RayEngines:
     ) -> SyncStats:
         received = [actor.receive.remote() for actor in self.actors]
         stats = self.sender.send(named_tensors, version=version, manifest=manifest)
-        self.version = self._received(received, "receive", version)
+        self.version = agreed(self._get(received, "receive"), "version after receive")
         return stats
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
         received = [actor.receive_adapter.remote() for actor in self.actors]
         stats = self.sender.send_adapter(tensors, config, version=version)
-        self.version = self._received(received, "receive_adapter", version)
+        self.version = agreed(self._get(received, "receive_adapter"), "version after receive_adapter")
         return stats
 
-    def _received(self, futures, what: str, version: int) -> int:
-        """The version every replica reports after `what`, which must be the one sent."""
-        return expect_version(agreed(self._get(futures, what), f"version after {what}"), version, what)
-
-    def weights_checksum(self) -> str:
+    def checksum(self) -> str:
         return agreed(self._get([actor.checksum.remote() for actor in self.actors], "checksum"), "weights")
 
     def close(self) -> None:

@@ -1,0 +1,48 @@
+"""The one loss aggregation: per-token values `[N, R]` to a scalar, by `algorithm.loss_agg_mode`."""
+
+from torch import Tensor
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def check_shapes(reference: str, **tensors: Tensor | None) -> None:
+    """Per-token inputs must all have the shape of `reference` (the first one named): `[N, R]`."""
+    shape = tuple(tensors[reference].shape)
+    if len(shape) != 2:
+        raise ValueError(f"{reference} must be [N, R], got shape {shape}")
+    for name, tensor in tensors.items():
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have the shape of {reference} {shape} ([N, R]), got {tuple(tensor.shape)}")
+
+
+def aggregate(
+    values: Tensor,
+    response_mask: Tensor,
+    mode: str,
+    *,
+    norm_len: int | None = None,
+    total_tokens: float | None = None,
+    total_sequences: float | None = None,
+) -> Tensor:
+    """One scalar from per-token values `[N, R]`.
+
+    token-mean: Σ over valid tokens / their count. seq-mean-token-sum: per-sequence sums, averaged over sequences.
+    seq-mean-token-mean: per-sequence means, averaged. seq-mean-token-sum-norm: per-sequence sums / `norm_len`
+    (default R), averaged (Dr. GRPO). `total_tokens` / `total_sequences` replace this batch's counts as the
+    denominators, so that the sum over micro-batches equals the value of the whole batch.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
+    check_shapes("response_mask", response_mask=response_mask, values=values)
+    mask = response_mask.to(values.dtype)
+    masked = values * mask
+    sequences = total_sequences if total_sequences is not None else float(values.shape[0])
+    if mode == "token-mean":
+        tokens = total_tokens if total_tokens is not None else mask.sum().clamp(min=1)
+        return masked.sum() / tokens
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / max(sequences, 1)
+    if mode == "seq-mean-token-mean":
+        per_sequence = masked.sum(1) / mask.sum(1).clamp(min=1)
+        return per_sequence.sum() / max(sequences, 1)
+    return masked.sum() / (norm_len if norm_len is not None else values.shape[1]) / max(sequences, 1)

@@ -1,0 +1,48 @@
+"""Rollout correction (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
+samples drawn by the engine (π_rollout) are trained as if drawn by the trainer's policy (π_old); truncated importance
+weights correct for the difference, and the mismatch is measured."""
+
+import torch
+from torch import Tensor
+
+from lorarl.trainer.algorithms.aggregation import check_shapes
+
+IS_LEVELS = ("token", "sequence")
+
+
+def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, level: str, cap: float) -> Tensor:
+    """Truncated importance weights `[N, R]` (detached, zero on masked tokens), as verl's rollout_is.
+
+    token: w_t = min(π_old(y_t) / π_rollout(y_t), cap). sequence: w = min(Π_t π_old(y_t) / π_rollout(y_t), cap) at
+    every token of the sequence. Log-ratios are clamped to ±20 before exp, as verl does.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"level must be one of {IS_LEVELS}, got {level!r}")
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    check_shapes("response_mask", response_mask=response_mask, old_logp=old_logp, rollout_logp=rollout_logp)
+    mask = response_mask.to(old_logp.dtype)
+    log_ratio = (old_logp - rollout_logp).detach() * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
+    return torch.exp(log_ratio.clamp(-20.0, 20.0)).clamp(max=cap) * mask
+
+
+def rollout_mismatch(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor) -> dict[str, float]:
+    """How far the engine's sampling distribution is from the trainer's, on the valid tokens: mean |Δ log p|, the
+    k3 estimate of KL(π_rollout || π_old), and quantiles of the token ratio π_old / π_rollout."""
+    check_shapes("response_mask", response_mask=response_mask, old_logp=old_logp, rollout_logp=rollout_logp)
+    mask = response_mask.bool()
+    delta = (old_logp - rollout_logp).detach()[mask].double()
+    if delta.numel() == 0:
+        return {}
+    ratio = delta.exp()
+    quantiles = torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64))
+    return {
+        "rollout/abs_logp_diff": float(delta.abs().mean()),
+        "rollout/kl": float((ratio - 1 - delta).mean()),
+        "rollout/ratio_p05": float(quantiles[0]),
+        "rollout/ratio_p50": float(quantiles[1]),
+        "rollout/ratio_p95": float(quantiles[2]),
+        "rollout/ratio_max": float(ratio.max()),
+    }

@@ -1,0 +1,138 @@
+"""`rollout.engine=hf`: a Hugging Face causal LM generating with lorarl's decode loop (`decode.py`), on CPU or GPU.
+
+Merged weights arrive copied in (inline) or over gloo (a process or Ray actor of its own); an adapter
+(`rollout.sync=adapter`) is served unmerged by peft on the weights the worker holds.
+"""
+
+import hashlib
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lorarl.trainer.decode import decode
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, Worker
+from lorarl.weight_sync import BucketReceiver, SyncStats, TensorSpec, copy_into, create_sync_group, save_adapter
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    model_path: str
+    dtype: torch.dtype
+    device: str
+    eos: int
+    pad: int
+    batch_size: int  # sequences generated at once
+    threads: int | None = None  # torch's CPU threads in the worker (None: torch's default)
+    timeout: float = 600.0
+    sync_backend: str = "gloo"
+    sync_ranks: int = 1
+
+
+class HFWorker(Worker):
+    """The model, and (in a process or actor of its own) its end of the weight-sync group."""
+
+    capabilities = Capabilities(checksum=True)
+
+    @classmethod
+    def settings(cls, rollout, context: EngineContext) -> HFSettings:
+        # generating on the CPU beside the training (rollout.overlap): one core, so the two do not oversubscribe
+        threads = 1 if context.overlap and context.device == "cpu" else None
+        return HFSettings(context.model_path, context.dtype, context.device, context.eos_token_id,
+                          context.pad_token_id, rollout.batch_size, threads)  # fmt: skip
+
+    def __init__(self, settings: HFSettings):
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=settings.dtype)
+        self.model = model.to(settings.device).eval()
+        self.version = 0  # the weights from disk
+        self.receiver: BucketReceiver | None = None
+        self.adapter = None  # a peft model around self.model while an adapter is served unmerged
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+        model = self.adapter if self.adapter is not None else self.model
+        return sample(model, self.settings, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+
+    # --- in the trainer's process ---------------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     manifest: Sequence[TensorSpec | tuple]) -> SyncStats:  # fmt: skip
+        """Merged weights copied into the plain model, with the receiver's checks (an adapter served is dropped)."""
+        self.drop_adapter()
+        stats = copy_into(self.model, named_tensors, version=version, manifest=manifest)
+        self.version = version
+        return stats
+
+    def serve_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> int:
+        """A LoRA adapter, served unmerged by peft on the weights this worker holds (`rollout.sync=adapter`)."""
+        from peft import PeftModel, set_peft_model_state_dict
+
+        if self.adapter is None:
+            with tempfile.TemporaryDirectory() as directory:
+                save_adapter(tensors, config, Path(directory))
+                self.adapter = PeftModel.from_pretrained(self.model, directory).eval()
+        else:
+            set_peft_model_state_dict(self.adapter, tensors)
+        self.version = version
+        return version
+
+    def drop_adapter(self) -> None:
+        if self.adapter is not None:
+            self.model, self.adapter = self.adapter.unload(), None  # the LoRA layers out, the base as it was
+
+    # --- over a sync group (a process or actor of its own) --------------------------------------------------------
+
+    def join(self, host: str, port: int, world_size: int, rank: int) -> int:
+        timeout = self.settings.timeout
+        group = create_sync_group(host, port, world_size, rank, timeout=timeout)
+        self.receiver = BucketReceiver(group, timeout=timeout)
+        return self.version
+
+    def receive(self) -> int:
+        self.drop_adapter()
+        self.version = self.receiver.load_into(self.model)
+        return self.version
+
+    def receive_adapter(self) -> int:
+        return self.serve_adapter(*self.receiver.receive_adapter())
+
+    def checksum(self) -> str:
+        return checksum(self.model.state_dict().items())
+
+
+def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of names and bytes, in order: equal only for bit-identical weights (the trainer's merged weights,
+    `iter_merged_weights`, against an engine's model)."""
+    digest = hashlib.sha256()
+    for name, tensor in named_tensors:
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def sample(model, settings: HFSettings, version, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+    """`n` responses per prompt (greedy when temperature is 0), batched, seeded: the same call, the same samples
+    (what makes a resumed run repeat an uninterrupted one)."""
+    eos, pad, device = settings.eos, settings.pad, settings.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    completions = []
+    per_batch = max(1, settings.batch_size // n)
+    for start in range(0, len(prompts), per_batch):
+        chunk = prompts[start : start + per_batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        tokens, logp = decode(model, ids, mask, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              eos=eos, pad=pad, generator=generator)  # fmt: skip
+        for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
+            finished = eos in row_tokens
+            length = row_tokens.index(eos) + 1 if finished else len(row_tokens)
+            completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
+                                          finished, version))  # fmt: skip
+    return completions

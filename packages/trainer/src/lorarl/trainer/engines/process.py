@@ -1,0 +1,109 @@
+"""The process placement (`rollout.worker=process`): the worker in a process of its own holding its own copy of the
+model, fed weights over a sync group (gloo from the CPU, NCCL from the GPU) and driven over a pipe. It generates
+beside the trainer (`submit` returns at once), which `rollout.overlap` uses."""
+
+import multiprocessing as mp
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError
+from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
+
+
+def sync_sender(group, settings, bucket_bytes: int) -> BucketSender:
+    """The trainer's end of a sync group: NCCL sends from the GPU, gloo from the CPU."""
+    nccl = settings.sync_backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return BucketSender(group, bucket_bytes=bucket_bytes, device=device, timeout=settings.timeout)
+
+
+class ProcessEngine:
+    def __init__(self, worker_class: type, settings, *, bucket_bytes: int):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        port = free_port()
+        name = f"lorarl-{worker_class.__name__}"
+        self.process = ctx.Process(target=_serve, args=(child, worker_class, settings, port), daemon=True, name=name)
+        self.process.start()
+        self.timeout = timeout = settings.timeout
+        world = 1 + settings.sync_ranks
+        group = create_sync_group("127.0.0.1", port, world, 0, backend=settings.sync_backend, timeout=timeout)
+        self.sender = sync_sender(group, settings, bucket_bytes)
+        self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
+        self.version = self._reply("start")
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[Completion]:
+        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> Callable[[], list[Completion]]:
+        self._conn.send(("generate", ([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)))
+        return lambda: self._reply("generate")
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
+    ) -> SyncStats:
+        return self._sync("receive", lambda: self.sender.send(named_tensors, version=version, manifest=manifest))
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        return self._sync("receive_adapter", lambda: self.sender.send_adapter(tensors, config, version=version))
+
+    def _sync(self, command: str, send) -> SyncStats:
+        """The worker starts `command` (its end of the transfer), this side sends; then the worker's version."""
+        self._conn.send((command, ()))
+        stats = send()
+        self.version = self._reply(command)
+        return stats
+
+    def checksum(self) -> str:
+        self._conn.send(("checksum", ()))
+        return self._reply("checksum")
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(("close", ()))
+                self.process.join(timeout=10)
+            except (BrokenPipeError, OSError):
+                pass
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _reply(self, what: str):
+        if not self._conn.poll(self.timeout):
+            raise EngineError(f"the rollout engine did not answer {what!r} within {self.timeout:g} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise EngineError(f"the rollout engine died during {what!r} (exit code {self.process.exitcode})") from None
+        if status == "error":
+            raise EngineError(f"the rollout engine failed during {what!r}:\n{value}")
+        return value
+
+
+def _serve(conn, worker_class: type, settings, port: int) -> None:
+    """The engine process: build the worker, join the sync group, then answer commands until "close"."""
+    try:
+        worker = worker_class(settings)
+        conn.send(("ok", worker.join("127.0.0.1", port, 1 + settings.sync_ranks, 1)))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    commands = {"generate": worker.generate, "receive": worker.receive, "receive_adapter": worker.receive_adapter,
+                "checksum": worker.checksum}  # fmt: skip
+    while True:
+        command, args = conn.recv()
+        if command == "close":
+            return
+        try:
+            if command not in commands:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", commands[command](*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))

@@ -1,0 +1,136 @@
+"""A step's rollouts: prompts drawn, answered by the engine, scored — and DAPO's dynamic sampling, which draws more
+prompts until enough groups carry a learning signal. Every completion's weight version is checked, so the trainer
+never trains on rollouts of stale weights."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lorarl.trainer import algorithms, data, rewards
+from lorarl.trainer.config import Config
+from lorarl.trainer.engines import Completion, EngineError, RolloutEngine
+
+
+@dataclass
+class Sample:
+    """One response, scored: `score` is the reward function's value, `reward` what advantages see (after shaping)."""
+
+    prompt_ids: list[int]
+    completion: Completion
+    group: int  # responses to the same prompt (in this step) share it
+    score: float
+    reward: float
+
+
+class Rollouts:
+    """Draws the training prompts (`sampler`), has `engine` answer them `rollout.n` times, scores the answers."""
+
+    def __init__(self, config: Config, examples: list[data.Example], sampler: data.PromptSampler, tokenizer,
+                 reward_fn: Callable) -> None:  # fmt: skip
+        self.config, self.examples, self.sampler = config, examples, sampler
+        self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        self.engine: RolloutEngine | None = None  # set once the trainer has started it
+        self.prefetched: tuple[list[int], list[Completion]] | None = None  # the next step's batch (rollout.overlap)
+
+    def collect(self, step: int, version: int) -> tuple[list[Sample], dict]:
+        """Rollouts of a batch of prompts, scored, from weights `version` (or one behind, with overlap). With dynamic
+        sampling (DAPO), groups whose rewards all agree are dropped and more prompts are drawn until `data.batch_size`
+        groups are kept or `max_sampling_rounds` is reached; then the step trains on what was kept (on the last
+        round's samples if nothing was)."""
+        a, batch_size = self.config.algorithm, self.config.data.batch_size
+        drawn, kept, groups = [], [], 0
+        rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
+        for round_ in range(rounds):
+            samples = self.generate(step, round_, groups, version)
+            groups += len({s.group for s in samples})
+            drawn += samples
+            if not a.dynamic_sampling:
+                kept = samples
+                break
+            informative = algorithms.informative_groups(torch.tensor([s.reward for s in samples]),
+                                                        torch.tensor([s.group for s in samples]))  # fmt: skip
+            kept += [s for s, keep in zip(samples, informative.tolist(), strict=True) if keep]
+            if len({s.group for s in kept}) >= batch_size:
+                break
+        metrics = rollout_metrics(drawn)
+        if a.dynamic_sampling:
+            chosen = set(sorted({s.group for s in kept})[:batch_size])
+            kept = [s for s in kept if s.group in chosen] or samples
+            metrics.update({"sampling/rounds": round_ + 1, "sampling/prompts": groups,
+                            "sampling/kept_groups": len(chosen)})  # fmt: skip
+        metrics["rollout/version_lag"] = max(version - s.completion.version for s in kept)
+        return kept, metrics
+
+    def request(self, step: int, round_: int) -> tuple[list[int], Callable[[], list[Completion]]]:
+        """The next batch of prompts from the sampler, submitted to the engine: their indices, and what waits for
+        the completions."""
+        r = self.config.rollout
+        indices = self.sampler.next_batch()
+        wait = self.engine.submit([self.examples[i].prompt_ids for i in indices], n=r.n, temperature=r.temperature,
+                                  top_p=r.top_p, max_tokens=r.max_tokens,
+                                  seed=step_seed(self.config.trainer.seed, step, round_))  # fmt: skip
+        return indices, wait
+
+    def prefetch(self, step: int) -> Callable[[], None]:
+        """`rollout.overlap`: submit step `step`'s batch now (it generates while the trainer trains); the returned
+        call waits for it and keeps it for that step."""
+        indices, wait = self.request(step, 0)
+
+        def keep() -> None:
+            self.prefetched = (indices, wait())
+
+        return keep
+
+    def generate(self, step: int, round_: int, first_group: int, version: int) -> list[Sample]:
+        """One batch of prompts, `rollout.n` responses each (generated during the last step with `rollout.overlap`),
+        scored (and overlong-shaped)."""
+        r, a = self.config.rollout, self.config.algorithm
+        if round_ == 0 and self.prefetched is not None:
+            (indices, completions), self.prefetched = self.prefetched, None
+        else:
+            indices, wait = self.request(step, round_)
+            completions = wait()
+        check_versions(completions, version, lag=int(r.overlap))
+        examples = [self.examples[i] for i in indices]
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        chosen = [examples[c.prompt_index] for c in completions]
+        scores = rewards.score(self.reward_fn, [e.prompt for e in chosen], texts, [e.answer for e in chosen])
+        penalties = [0.0] * len(completions)
+        if a.overlong_buffer_frac > 0:
+            buffer = max(1, round(a.overlong_buffer_frac * r.max_tokens))
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
+            penalties = algorithms.overlong_penalty(lengths, r.max_tokens, buffer, a.overlong_penalty).tolist()
+        return [Sample(list(e.prompt_ids), c, first_group + c.prompt_index, score, score + penalty)
+                for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
+
+
+def check_versions(completions: list[Completion], version: int, *, lag: int = 0) -> None:
+    """Rollouts come from weights `version`, or with `rollout.overlap` (`lag` 1) from at most one update before."""
+    allowed = set(range(max(0, version - lag), version + 1))
+    stale = {c.version for c in completions} - allowed
+    if stale:
+        raise EngineError(f"the engine generated with weights version {sorted(stale)}, expected "
+                          f"{' or '.join(map(str, sorted(allowed)))}")  # fmt: skip
+
+
+def rollout_metrics(samples: list[Sample]) -> dict:
+    """What the policy does, over every response generated this step (kept by dynamic sampling or not)."""
+    scores = np.array([s.score for s in samples])
+    lengths = np.array([len(s.completion.token_ids) for s in samples])
+    metrics = {
+        "reward/mean": float(scores.mean()),
+        "reward/std": float(scores.std(ddof=1)) if scores.size > 1 else 0.0,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/truncated": float(np.mean([not s.completion.finished for s in samples])),
+    }
+    penalties = np.array([s.reward - s.score for s in samples])
+    if penalties.any():
+        metrics["reward/overlong_penalty"] = float(penalties.mean())
+    return metrics
+
+
+def step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The seed of a step's sampling (and its `round_`-th extra sampling round with dynamic sampling)."""
+    return seed * 1_000_003 + step + round_ * 1_000_000_007
