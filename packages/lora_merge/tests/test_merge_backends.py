@@ -252,3 +252,21 @@ def test_large_layers_on_gpu(backend, dtype, rank, shape):
     out = torch.full_like(weight, float("nan"))
     merge_lora(weight, lora_A, lora_B, 0.5, out=out, backend=backend)
     assert_merged_close(out, weight, lora_A, lora_B, 0.5)
+
+
+@pytest.mark.parametrize(("triton", "cpp_builds", "expected"), [(True, True, "triton"), (False, True, "cpp"),
+                                                                 (False, False, "torch")])  # fmt: skip
+def test_auto_on_cuda_prefers_triton_then_the_cuda_op(monkeypatch, triton, cpp_builds, expected):
+    """Which kernel `auto` picks for CUDA tensors (nothing runs: this machine may have no GPU)."""
+    from lorarl.lora_merge import _torch_backend, merge
+
+    monkeypatch.setattr(merge, "_triton_installed", lambda: triton)
+    monkeypatch.setattr(merge, "_cpp_op_builds", lambda with_cuda: with_cuda and cpp_builds)
+    kernel = merge._kernel("auto", torch.device("cuda"))
+    if expected == "triton":
+        pytest.importorskip("triton")
+        from lorarl.lora_merge import _triton_backend
+
+        assert kernel is _triton_backend.merge
+    else:
+        assert kernel is {"cpp": _cpp_backend.merge, "torch": _torch_backend.merge}[expected]

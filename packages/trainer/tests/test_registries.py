@@ -132,3 +132,28 @@ def test_a_registered_engine_is_a_config_choice_and_serves_the_trainer(tiny_setu
     assert [(version, names) for version, names, _ in scripted_engine.received] == [(0, expected), (1, expected)]
     assert all(announced == expected for _, _, announced in scripted_engine.received)
     assert engine.version == 1
+
+
+def test_a_registered_policy_loss_is_aggregated_and_measured_like_the_built_in_ones():
+    from lorarl.trainer.algorithms import policy_loss, register_policy_loss
+
+    @register_policy_loss("toy_vanilla_pg")
+    def vanilla_pg(logp, old_logp, advantages, mask, **options):
+        """-A·log π (the README's example)."""
+        return -advantages * logp, torch.zeros_like(mask), torch.exp(logp - old_logp).detach()
+
+    try:
+        assert load_config(None, ["algorithm.policy_loss=toy_vanilla_pg"]).algorithm.policy_loss == "toy_vanilla_pg"
+        generator = torch.Generator().manual_seed(0)
+        logp = -torch.rand(3, 4, generator=generator, dtype=torch.float64)
+        old = logp - 0.1
+        advantages = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+        loss, metrics = policy_loss("toy_vanilla_pg", logp, old, advantages, mask, loss_agg_mode="seq-mean-token-mean")
+        per_sequence = [sum(-advantages[i, t] * logp[i, t] for t in range(4) if mask[i, t]) / mask[i].sum() for i in
+                        range(3)]  # fmt: skip
+        assert float(loss) == pytest.approx(float(sum(per_sequence) / 3))
+        assert metrics["clipfrac"] == 0.0
+        assert metrics["ratio_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.1))))
+    finally:
+        POLICY_LOSSES.remove("toy_vanilla_pg")

@@ -113,12 +113,20 @@ def _kernel(backend: str, device: torch.device) -> Kernel:
         from lorarl.lora_merge import _triton_backend
 
         return _triton_backend.merge
-    # auto
-    if device.type == "cuda":
+    # auto: Triton on CUDA where it is installed (the fastest there); else the C++ op, on CPU and on CUDA without
+    # Triton (torch builds that ship none, e.g. on Windows); else the torch reference
+    cuda = device.type == "cuda"
+    if cuda and _triton_installed():
         return _kernel("triton", device)
-    if _cpp_op_builds(False):
+    if _cpp_op_builds(cuda):
         return _cpp_backend.merge
     return _torch_backend.merge
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _triton_interpreting() -> bool:

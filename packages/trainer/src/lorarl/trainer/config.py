@@ -9,6 +9,7 @@ with `algorithm=<name>` (or `algorithm: <name>` in the file).
 """
 
 import difflib
+import types
 import typing
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -275,7 +276,7 @@ def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin in (list,):
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    if origin in (typing.Union, __import__("types").UnionType):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 

@@ -63,19 +63,15 @@ class Policy:
         self.path = resolve_model_path(section.path)
         self.dtype = DTYPES[section.dtype]
         base = load_base(self.path, self.dtype, device)
-        self.lora = _lora_settings(section.lora)
+        self.is_lora = _uses_lora(section.lora)
         self.frozen_reference = None
-        if self.lora is None:
+        if not self.is_lora:
             self.model = base
             if kl_coef > 0:  # a full fine-tune needs its own frozen reference for the KL term
                 self.frozen_reference = copy.deepcopy(base).eval().requires_grad_(False)
         else:
             self.model = _with_adapter(base, section.lora)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-
-    @property
-    def is_lora(self) -> bool:
-        return self.lora is not None
 
     @contextlib.contextmanager
     def reference(self):
@@ -89,12 +85,11 @@ class Policy:
             yield self.model
 
 
-def _lora_settings(lora: LoraSection) -> dict | None:
+def _uses_lora(lora: LoraSection) -> bool:
+    """An adapter is trained unless the rank is 0 (full fine-tuning) and no saved adapter is given."""
     if lora.rank < 0:
         raise TrainerError(f"model.lora.rank must be >= 0 (0 = full fine-tuning), got {lora.rank}")
-    if lora.rank == 0 and lora.adapter_path is None:
-        return None
-    return {"rank": lora.rank}
+    return lora.rank > 0 or lora.adapter_path is not None
 
 
 def _with_adapter(base: nn.Module, lora: LoraSection) -> nn.Module:
