@@ -1,6 +1,7 @@
 """DAPO's overlong shaping and dynamic-sampling filter, and rollout correction (truncated importance sampling), against
 float64 references written from the formulas; the trainer's refill loop and truncation mask on crafted batches."""
 
+import json
 import math
 
 import numpy as np
@@ -16,8 +17,10 @@ from lorarl.trainer.algorithms import (
     rollout_is_weights,
     rollout_mismatch,
 )
+from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
 from lorarl.trainer.engines import Completion
+from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
 from lorarl.trainer.rollout import Sample
@@ -194,3 +197,45 @@ def test_truncated_responses_get_no_loss_when_masked():
     assert masked.loss_mask.tolist() == [[True, False, False], [True] * 3, [False] * 3, [False] * 3]
     assert masked.rollout_logp[0].tolist() == [-0.5, 0.0, 0.0]
     assert masked.sample_lengths == [2, 5, 5, 5]
+
+
+@pytest.mark.parametrize("band", ["[1.5,2.0]", "[0.5]", "[0.2,0.9]"])
+def test_a_bad_correction_band_is_refused_naming_the_key(tiny_setup, tmp_path, band):
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", algorithm__rollout_correction="token_mask",
+                               algorithm__rollout_correction_band=band)  # fmt: skip
+    with pytest.raises(TrainerError, match=r"algorithm\.rollout_correction_band=.*expected \[low, high\]"):
+        Trainer(load_config(None, overrides, presets=PRESETS))
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_reject"])
+def test_masking_modes_train_and_report_the_share_kept(tiny_setup, tmp_path, mode):
+    """A run with each mode completes, the share of tokens kept logged every step (with the engine in bf16, some fall
+    outside a tight band)."""
+    out = tmp_path / "out"
+    assert main(tiny_overrides(tiny_setup, out, algorithm__rollout_correction=mode, rollout__dtype="bfloat16",
+                               algorithm__rollout_correction_band="[0.99,1.01]")) == 0  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kept = [r["rollout/is_weight_mean"] for r in records]
+    assert all(0.0 < k <= 1.0 for k in kept)
+
+
+def test_remax_rollouts_carry_each_prompts_greedy_score(tiny_setup, tmp_path):
+    from lorarl.trainer import rewards
+
+    trainer = Trainer(load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", algorithm__adv_estimator="remax"),
+                                  presets=PRESETS))  # fmt: skip
+    engine = trainer.start_engine()
+    try:
+        trainer.weights.sync()
+        samples, _ = trainer.rollouts.collect(1, version=0)
+        prompts = sorted({tuple(s.prompt_ids) for s in samples})
+        greedy = engine.generate([list(p) for p in prompts], n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+        texts = trainer.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
+        examples = {tuple(e.prompt_ids): e for e in trainer.rollouts.examples}
+        scores = rewards.score(trainer.reward_fn, [examples[p].prompt for p in prompts], texts,
+                               [examples[p].answer for p in prompts])  # fmt: skip
+        expected = dict(zip(prompts, scores, strict=True))
+        assert all(s.baseline == expected[tuple(s.prompt_ids)] for s in samples)
+        assert "loss" in trainer.train_step(2)  # the step takes its baselines through to the estimator
+    finally:
+        engine.close()

@@ -121,8 +121,19 @@ class AlgorithmSection:
     )
     overlong_penalty: float = option(1.0, "overlong shaping: the penalty at rollout.max_tokens")
     mask_truncated: bool = option(False, "responses cut at rollout.max_tokens get no loss (DAPO's overlong filtering)")
-    rollout_correction: str = option("none", "truncated IS against engine mismatch", ("none", *IS_LEVELS))
+    rollout_correction: str = option("none", "against the engine's mismatch: truncated IS weights (token, sequence), "
+                                     "or masking tokens / rejecting sequences outside rollout_correction_band",
+                                     ("none", *IS_LEVELS))  # fmt: skip
     rollout_correction_cap: float = option(2.0, "truncation cap of the rollout-correction weights", minimum=1.0)
+    rollout_correction_band: list[float] = option([0.5, 2.0], "[low, high] of the ratio kept by token_mask and "
+                                                  "sequence_reject")  # fmt: skip
+    clip_cov_ratio: float = option(2e-4, "clip_cov: share of tokens whose gradient is cut", minimum=0.0)
+    clip_cov_lb: float = option(1.0, "clip_cov: lowest covariance cut")
+    clip_cov_ub: float = option(5.0, "clip_cov: highest covariance cut")
+    kl_cov_ratio: float = option(2e-4, "kl_cov: share of tokens with the KL penalty", minimum=0.0)
+    kl_cov_coef: float = option(1.0, "kl_cov: weight of its |log ratio| penalty")
+    sapo_tau_pos: float = option(1.0, "sapo: gate temperature for positive advantages", minimum=1e-6)
+    sapo_tau_neg: float = option(1.05, "sapo: gate temperature for negative advantages", minimum=1e-6)
 
 
 @dataclass

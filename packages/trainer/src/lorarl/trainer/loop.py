@@ -246,6 +246,9 @@ def _check_settings(config: Config) -> None:
     if r.overlap and a.rollout_correction == "none":
         raise TrainerError("rollout.overlap trains on rollouts of the weights one update behind: set "
                            "algorithm.rollout_correction=token (or sequence) to correct for that")  # fmt: skip
+    band = list(a.rollout_correction_band)
+    if len(band) != 2 or not 0 <= band[0] <= 1 <= band[1]:
+        raise TrainerError(f"algorithm.rollout_correction_band={band}: expected [low, high] with 0 <= low <= 1 <= high")
     if r.overlap and placement(r, t.backend) == "inline":
         raise TrainerError("rollout.overlap generates beside the training: it needs rollout.worker=process")
 

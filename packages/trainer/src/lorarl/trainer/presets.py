@@ -31,6 +31,18 @@ PRESETS: dict[str, Preset] = {
         {**_BASE, "adv_estimator": "drgrpo", "norm_std": False, "loss_agg_mode": "seq-mean-token-sum-norm"},
     ),
     "rloo": Preset("RLOO (Ahmadian et al. 2024): leave-one-out baseline", {**_BASE, "adv_estimator": "rloo"}),
+    "gpg": Preset(
+        "GPG (Chu et al. 2025): group-centred advantages scaled by 1 / the share of non-zero rewards, plain PG",
+        {**_BASE, "adv_estimator": "gpg", "policy_loss": "gpg"},
+    ),
+    "gmpo": Preset(
+        "GMPO (Zhao et al. 2025): geometric mean of token ratios, clipped to [e^-0.4, e^0.4], seq-mean-token-mean",
+        {**_BASE, "policy_loss": "gmpo", "clip_low": 0.4, "clip_high": 0.4, "loss_agg_mode": "seq-mean-token-mean"},
+    ),
+    "sapo": Preset(
+        "SAPO (Gao et al. 2025): a soft sigmoid gate instead of the clip (tau 1.0 / 1.05), seq-mean-token-mean",
+        {**_BASE, "policy_loss": "sapo", "loss_agg_mode": "seq-mean-token-mean"},
+    ),
     "gspo": Preset(
         "GSPO (Zheng et al. 2025): sequence-level ratio clipped to [1-3e-4, 1+4e-4], seq-mean-token-mean",
         {**_BASE, "policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},

@@ -28,6 +28,7 @@ class Batch:
     rollout_logp: torch.Tensor  # the engine's log-probs of the sampled tokens
     rewards: torch.Tensor
     group: torch.Tensor
+    baselines: torch.Tensor | None = None  # each prompt's greedy score, where the estimator asks for it
     reference: torch.Tensor | None = None
     old: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -52,6 +53,7 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
         rollout_logp=rollout_logp,
         rewards=torch.tensor([s.reward for s in samples]),
         group=torch.tensor([s.group for s in samples]),
+        baselines=None if samples[0].baseline is None else torch.tensor([s.baseline for s in samples]),
     )
 
 
@@ -85,7 +87,8 @@ class ActorUpdate:
             kl = algorithms.kl_penalty(current, batch.reference, a.kl_estimator)
             rewards = rewards - a.kl_coef * (kl * batch.loss_mask).sum(1)
         batch.advantages = algorithms.advantages(a.adv_estimator, rewards, batch.group, batch.loss_mask,
-                                                 norm_std=a.norm_std, gamma=a.gamma)  # fmt: skip
+                                                 norm_std=a.norm_std, gamma=a.gamma,
+                                                 baseline=batch.baselines)  # fmt: skip
 
     def update(self, step: int, batch: Batch) -> dict:
         """PPO epochs x mini-batches x micro-batches, then the learning-rate schedule's step. Returns the metrics,
@@ -102,7 +105,7 @@ class ActorUpdate:
                 minibatch = minibatch.tolist()
                 totals = {
                     "total_tokens": float(batch.loss_mask[minibatch].sum().clamp(min=1)),
-                    "total_sequences": float(len(minibatch)),
+                    "total_sequences": float(batch.loss_mask[minibatch].any(1).sum()),  # those with a loss
                     "norm_len": self.config.rollout.max_tokens,  # Dr. GRPO's constant length
                 }
                 for micro in self._micro_batches(batch, minibatch):
@@ -126,10 +129,6 @@ class ActorUpdate:
         metrics = {key: value / steps for key, value in sums.items()}
         metrics["grad_norm"] = grad_norm / steps
         metrics.update(algorithms.rollout_mismatch(seen_old, batch.rollout_logp, batch.response_mask))
-        if a.rollout_correction != "none":
-            weights = algorithms.rollout_is_weights(seen_old, batch.rollout_logp, batch.loss_mask,
-                                                    a.rollout_correction, a.rollout_correction_cap)  # fmt: skip
-            metrics["rollout/is_weight_mean"] = float(weights.sum() / batch.loss_mask.sum().clamp(min=1))
         return metrics
 
     def _loss(self, batch: Batch, rows: list[int], totals: dict) -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -144,12 +143,15 @@ class ActorUpdate:
         is_weights = None
         if a.rollout_correction != "none":
             is_weights = algorithms.rollout_is_weights(old_logp, batch.rollout_logp[rows].to(self.device), mask,
-                                                       a.rollout_correction, a.rollout_correction_cap)  # fmt: skip
+                                                       a.rollout_correction, a.rollout_correction_cap,
+                                                       tuple(a.rollout_correction_band))  # fmt: skip
         loss, info = algorithms.policy_loss(a.policy_loss, logp, old_logp, batch.advantages[rows].to(self.device),
                                             mask, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                                             loss_agg_mode=a.loss_agg_mode, is_weights=is_weights,
-                                            **totals)  # fmt: skip
+                                            options=loss_options(a), **totals)  # fmt: skip
         tokens = mask.sum().clamp(min=1)
+        if is_weights is not None:
+            info["rollout/is_weight_mean"] = float(is_weights.sum() / tokens)
         if batch.reference is not None:
             kl = algorithms.kl_penalty(logp, batch.reference[rows].to(self.device), a.kl_estimator)
             info["kl"] = float((kl.detach() * mask).sum() / tokens)
@@ -198,6 +200,13 @@ class ActorUpdate:
                 if micro:
                     values[rows] = logp
         return self.dp.sum(values) if self.dp is not None else values
+
+
+def loss_options(a) -> dict:
+    """The `algorithm` keys the registered policy losses take besides the clip range."""
+    names = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "sapo_tau_pos",
+             "sapo_tau_neg")  # fmt: skip
+    return {name: getattr(a, name) for name in names}
 
 
 def lr_factor(warmup: int, total: int, schedule: str):

@@ -5,6 +5,7 @@ inputs once and calls it with every option (`norm_std`, `gamma`, `eps`), which i
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,9 +26,11 @@ def advantages(
     norm_std: bool = True,
     gamma: float = 1.0,
     eps: float = 1e-6,
+    baseline: Tensor | None = None,
 ) -> Tensor:
     """Per-token advantages `[N, R]` (zero on masked tokens) from one score per response (`rewards [N]`), by the
-    estimator registered as `estimator`."""
+    estimator registered as `estimator`. `baseline` `[N]`: the score of the prompt's greedy response, for the
+    estimators that ask for it (`needs_greedy_baseline`, e.g. ReMax)."""
     fn = ADVANTAGES[estimator]
     mask = response_mask.bool()
     if rewards.dim() != 1 or group_index.shape != rewards.shape or mask.dim() != 2 or mask.shape[0] != rewards.numel():
@@ -35,18 +38,44 @@ def advantages(
             f"expected rewards [N], group_index [N], response_mask [N, R]; got {tuple(rewards.shape)}, "
             f"{tuple(group_index.shape)}, {tuple(response_mask.shape)}"
         )
-    return fn(rewards.to(torch.float32), group_index, mask, norm_std=norm_std, gamma=gamma, eps=eps)
+    if getattr(fn, "needs_greedy_baseline", False) and (baseline is None or baseline.shape != rewards.shape):
+        raise ValueError(f"{estimator} needs baseline [N] (each prompt's greedy score), got "
+                         f"{None if baseline is None else tuple(baseline.shape)}")  # fmt: skip
+    options = {"norm_std": norm_std, "gamma": gamma, "eps": eps}
+    if baseline is not None:
+        options["baseline"] = baseline
+    return fn(rewards.to(torch.float32), group_index, mask, **options)
 
 
-def group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per sample: its group's mean, unbiased std, and size."""
+@dataclass(frozen=True)
+class GroupStats:
+    """Per sample, its group's statistics, in float64: the mean, the unbiased std (1 for a group of one), the size,
+    and whether every reward of the group is the same (`tied`: then every group-relative advantage is exactly 0 — a
+    float mean is an ulp off the rewards it averages, and an ulp divided by a std of ~0 + eps was up to ±0.6)."""
+
+    mean: Tensor
+    std: Tensor
+    size: Tensor
+    tied: Tensor
+
+    def centred(self, rewards: Tensor) -> Tensor:
+        """r - the group mean, exactly 0 in tied groups (a group of one keeps r: its mean counts as 0)."""
+        rewards = rewards.double()
+        return torch.where(self.tied & (self.size > 1), 0.0, torch.where(self.size > 1, rewards - self.mean, rewards))
+
+
+def group_stats(rewards: Tensor, group_index: Tensor) -> GroupStats:
     _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    rewards = rewards.double()
     groups = counts.numel()
-    sums = torch.zeros(groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
+    sums = torch.zeros(groups, dtype=torch.float64, device=rewards.device).index_add_(0, inverse, rewards)
     means = sums / counts
     squares = torch.zeros_like(sums).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
     std = torch.where(counts > 1, (squares / (counts - 1).clamp(min=1)).sqrt(), torch.ones_like(sums))
-    return means[inverse], std[inverse], counts[inverse]
+    low = torch.full_like(sums, torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+    high = torch.full_like(sums, -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
+    tied = (low == high)[inverse]
+    return GroupStats(means[inverse], std[inverse], counts[inverse], tied)
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float) -> Tensor:
@@ -57,29 +86,73 @@ def whiten(values: Tensor, mask: Tensor, eps: float) -> Tensor:
     return (values - valid.mean()) / (valid.std() + eps) * mask
 
 
+def per_token(score: Tensor, mask: Tensor) -> Tensor:
+    """One score per response `[N]` (float64) on each of its tokens, as float32 `[N, R]`."""
+    return score.float()[:, None] * mask
+
+
 @register_advantage("grpo")
 def grpo(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: bool, eps: float, **_) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A = (r - mean_group) / (std_group + eps), unbiased std; without
     `norm_std`, r - mean_group. A group of one has mean 0 and std 1."""
-    mean, std, size = group_stats(rewards, group_index)
-    centred = torch.where(size > 1, rewards - mean, rewards)
-    score = centred / (std + eps) if norm_std else centred
-    return score[:, None] * mask
+    stats = group_stats(rewards, group_index)
+    centred = stats.centred(rewards)
+    return per_token(centred / (stats.std + eps) if norm_std else centred, mask)
 
 
 @register_advantage("drgrpo")
 def drgrpo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A = r - mean_group, no std division."""
-    mean, _, size = group_stats(rewards, group_index)
-    return torch.where(size > 1, rewards - mean, rewards)[:, None] * mask
+    return per_token(group_stats(rewards, group_index).centred(rewards), mask)
 
 
 @register_advantage("rloo")
 def rloo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
-    """RLOO (Ahmadian et al. 2024): A = r - the mean of the other responses of the group."""
-    mean, _, size = group_stats(rewards, group_index)
-    others = torch.where(size > 1, (mean * size - rewards) / (size - 1).clamp(min=1), rewards)
-    return (rewards - others)[:, None] * mask
+    """RLOO (Ahmadian et al. 2024): A = r - the mean of the other responses of the group = n/(n-1) (r - mean)."""
+    stats = group_stats(rewards, group_index)
+    scale = torch.where(stats.size > 1, stats.size / (stats.size - 1).clamp(min=1), 0.0)
+    return per_token(stats.centred(rewards) * scale, mask)
+
+
+@register_advantage("opo")
+def opo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): A = r - Σ|y|·r / Σ|y| over the group,
+    the length-weighted baseline that minimises the gradient's variance (a group of one: baseline 0)."""
+    stats = group_stats(rewards, group_index)
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    lengths = mask.sum(1).double()
+    groups = int(inverse.max()) + 1
+    weighted = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, lengths * rewards.double())
+    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, lengths)
+    baseline = torch.where(stats.size > 1, weighted[inverse] / total[inverse].clamp(min=1), 0.0)
+    return per_token(torch.where(stats.tied & (stats.size > 1), 0.0, rewards.double() - baseline), mask)
+
+
+@register_advantage("gpg")
+def gpg(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline"): A = α (r - mean_group),
+    α = N / (responses with a non-zero reward), which rescales a batch diluted by zero-reward groups. Meant for the
+    `gpg` policy loss (no ratio, no clip)."""
+    alpha = rewards.numel() / max(int(torch.count_nonzero(rewards)), 1)
+    return per_token(alpha * group_stats(rewards, group_index).centred(rewards), mask)
+
+
+@register_advantage("grpo_passk")
+def grpo_passk(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: bool, eps: float, **_) -> Tensor:
+    """Pass@k training (Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and Exploitation"
+    arXiv:2503.19595 as verl implements it): only the best response of each group learns, with A = r_max - r_second
+    (divided by the group's std + eps with `norm_std`); every other response gets 0."""
+    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    if int(counts.min()) < 2:
+        raise ValueError(f"grpo_passk needs at least 2 responses per group (rollout.n), got {int(counts.min())}")
+    stats = group_stats(rewards, group_index)
+    score = torch.zeros(rewards.numel(), dtype=torch.float64)
+    for group in range(counts.numel()):
+        members = torch.nonzero(inverse == group)[:, 0]
+        top = rewards.double()[members].topk(2)
+        best = members[top.indices[0]]
+        score[best] = (top.values[0] - top.values[1]) / ((stats.std[best] + eps) if norm_std else 1.0)
+    return per_token(score, mask)
 
 
 @register_advantage("reinforce_pp")
@@ -97,8 +170,20 @@ def reinforce_pp(rewards: Tensor, group_index: Tensor, mask: Tensor, *, gamma: f
     return whiten(returns * mask, mask, eps)
 
 
+@register_advantage("remax")
+def remax(rewards: Tensor, group_index: Tensor, mask: Tensor, *, baseline: Tensor, **_) -> Tensor:
+    """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning
+    LLMs"): A = r - r(greedy response to the same prompt), on every token. The trainer samples that greedy response
+    with each batch (one more generation per prompt)."""
+    return per_token(rewards.double() - baseline.double(), mask)
+
+
+remax.needs_greedy_baseline = True
+
+
 @register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline(rewards: Tensor, group_index: Tensor, mask: Tensor, *, eps: float, **_) -> Tensor:
     """REINFORCE++-baseline (Hu 2025): r - mean_group at every token, whitened over the batch's tokens."""
-    mean, _, _ = group_stats(rewards, group_index)
-    return whiten((rewards - mean)[:, None] * mask, mask, eps)
+    stats = group_stats(rewards, group_index)
+    centred = torch.where(stats.size > 1, stats.centred(rewards), 0.0)  # a group of one: r - r
+    return whiten(per_token(centred, mask), mask, eps)

@@ -2,7 +2,7 @@
 
 from torch import Tensor
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def check_shapes(reference: str, **tensors: Tensor | None) -> None:
@@ -26,20 +26,26 @@ def aggregate(
 ) -> Tensor:
     """One scalar from per-token values `[N, R]`.
 
-    token-mean: Σ over valid tokens / their count. seq-mean-token-sum: per-sequence sums, averaged over sequences.
-    seq-mean-token-mean: per-sequence means, averaged. seq-mean-token-sum-norm: per-sequence sums / `norm_len`
-    (default R), averaged (Dr. GRPO). `total_tokens` / `total_sequences` replace this batch's counts as the
-    denominators, so that the sum over micro-batches equals the value of the whole batch.
+    token-mean: Σ over valid tokens / their count. token-sum: Σ over valid tokens. seq-mean-token-sum: per-sequence
+    sums, averaged over sequences. seq-mean-token-mean: per-sequence means, averaged. seq-mean-token-sum-norm:
+    per-sequence sums / `norm_len` (default R), averaged (Dr. GRPO). `total_tokens` / `total_sequences` replace this
+    batch's counts as the denominators, so that the sum over micro-batches equals the value of the whole batch.
+
+    The seq-mean modes average over the sequences with at least one valid token, as verl does: a response masked out
+    whole (`mask_truncated`) is left out of training, and counting it would instead scale every other response's
+    gradient down by the share of truncated ones — a learning rate that falls as responses grow long.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
     check_shapes("response_mask", response_mask=response_mask, values=values)
     mask = response_mask.to(values.dtype)
     masked = values * mask
-    sequences = total_sequences if total_sequences is not None else float(values.shape[0])
+    sequences = total_sequences if total_sequences is not None else float(response_mask.any(1).sum())
     if mode == "token-mean":
         tokens = total_tokens if total_tokens is not None else mask.sum().clamp(min=1)
         return masked.sum() / tokens
+    if mode == "token-sum":
+        return masked.sum()
     if mode == "seq-mean-token-sum":
         return masked.sum() / max(sequences, 1)
     if mode == "seq-mean-token-mean":

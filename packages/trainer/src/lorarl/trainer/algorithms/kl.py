@@ -34,8 +34,33 @@ def k2(log_ratio: Tensor) -> Tensor:
 
 @register_kl_estimator("k3")
 def k3(log_ratio: Tensor) -> Tensor:
-    """π_ref/π - 1 - log π_ref/π: unbiased, low variance, non-negative; clamped to [-10, 10] as verl does."""
-    return (torch.exp(-log_ratio) + log_ratio - 1).clamp(-10, 10)
+    """π_ref/π - 1 - log π_ref/π: unbiased, low variance, non-negative; clamped as verl does (the exponent to ±20,
+    so that it cannot overflow, the value to [-10, 10])."""
+    reverse = (-log_ratio).clamp(-20, 20)
+    return (torch.exp(reverse) - reverse - 1).clamp(-10, 10)
+
+
+@register_kl_estimator("abs")
+def absolute(log_ratio: Tensor) -> Tensor:
+    """|log π/π_ref|."""
+    return log_ratio.abs()
 
 
 register_kl_estimator("low_var_kl")(k3)  # verl's name for k3
+register_kl_estimator("mse")(k2)  # and for k2
+
+
+def with_k2_gradient(estimator: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """`estimator`'s value with k2's gradient (straight through). k1 and k3 are unbiased estimates of the KL, but their
+    expected gradients are not the KL's gradient; k2's is (verl's "k1+", "k3+")."""
+
+    def straight_through(log_ratio: Tensor) -> Tensor:
+        gradient = k2(log_ratio)
+        return gradient - gradient.detach() + estimator(log_ratio).detach()
+
+    straight_through.__doc__ = f"{estimator.__name__}'s value, k2's gradient."
+    return straight_through
+
+
+register_kl_estimator("k1+")(with_k2_gradient(k1))
+register_kl_estimator("k3+")(with_k2_gradient(k3))

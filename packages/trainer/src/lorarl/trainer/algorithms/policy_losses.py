@@ -31,11 +31,13 @@ def policy_loss(
     dual_clip: float | None = None,
     loss_agg_mode: str = "token-mean",
     is_weights: Tensor | None = None,
+    options: dict | None = None,
     **totals: float,
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy loss (to minimise) and its metrics (`clipfrac`, `approx_kl`, `ratio_mean`).
 
-    `is_weights` (`[N, R]`, from `rollout_is_weights`) multiply the per-token losses before aggregation; `totals`
+    `is_weights` (`[N, R]`, from `rollout_is_weights`) multiply the per-token losses before aggregation; `options`
+    are the losses' own settings (e.g. `clip_cov_ratio`), passed to the registered function as keywords; `totals`
     are `aggregate`'s denominators.
     """
     fn = POLICY_LOSSES[name]
@@ -45,7 +47,7 @@ def policy_loss(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask = response_mask.bool()
     per_token, clipped, ratio = fn(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                   dual_clip=dual_clip)  # fmt: skip
+                                   dual_clip=dual_clip, **(options or {}))  # fmt: skip
     if is_weights is not None:
         per_token = per_token * is_weights
     loss = aggregate(per_token, mask, loss_agg_mode, **totals)
@@ -97,3 +99,86 @@ def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, c
     ratio = torch.exp(logp - old_logp)
     weight = ratio.clamp(max=1 + clip_high).detach()
     return -advantages * weight * logp, ratio.detach() > 1 + clip_high, ratio
+
+
+@register_policy_loss("gpg")
+def gpg(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, **_) -> tuple[Tensor, Tensor, Tensor]:
+    """GPG (Chu et al. 2025): the plain policy gradient -A·log π, no ratio and no clip (pair it with the `gpg`
+    estimator)."""
+    return -advantages * logp, torch.zeros_like(mask), torch.exp(logp - old_logp).detach()
+
+
+def covariance(advantages: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """Per token, (A - mean A)(log π - mean log π) over the valid tokens (detached): the entropy-mechanism paper's
+    measure of how much a token drives the entropy down."""
+    valid = mask.bool()
+    count = valid.sum().clamp(min=1)
+    mean_adv = (advantages * valid).sum() / count
+    mean_logp = (logp.detach() * valid).sum() / count
+    return ((advantages - mean_adv) * (logp.detach() - mean_logp)).detach()
+
+
+@register_policy_loss("clip_cov")
+def clip_cov(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
+             clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+             **_) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models"):
+    PPO clip, and a random `clip_cov_ratio` share of the valid tokens whose covariance lies in (`clip_cov_lb`,
+    `clip_cov_ub`) — among those PPO's clip left alone — get no gradient at all (reported as clipped)."""
+    ratio = torch.exp(logp - old_logp)
+    per_token, clipped = clipped_objective(ratio, advantages, clip_low, clip_high, None)
+    candidates = covariance(advantages, logp, mask)
+    candidates = (candidates > clip_cov_lb) & (candidates < clip_cov_ub) & mask.bool() & ~clipped
+    chosen = torch.nonzero(candidates)
+    keep = max(int(clip_cov_ratio * int(mask.sum())), 1)
+    chosen = chosen[torch.randperm(len(chosen), device=chosen.device)[:keep]]
+    detached = torch.zeros_like(mask, dtype=torch.bool)
+    detached[chosen[:, 0], chosen[:, 1]] = True
+    return torch.where(detached, 0.0, per_token), clipped | detached, ratio
+
+
+@register_policy_loss("kl_cov")
+def kl_cov(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, kl_cov_ratio: float = 2e-4,
+           kl_cov_coef: float = 1.0, **_) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """KL-Cov (Cui et al. 2025, as Clip-Cov): the unclipped -A·ρ, plus `kl_cov_coef`·|log ρ| on the `kl_cov_ratio`
+    share of valid tokens with the largest covariance (their updates are held close to the old policy)."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    per_token = -advantages * ratio
+    scores = torch.where(mask.bool(), covariance(advantages, logp, mask), -torch.inf).flatten()
+    top = scores.topk(max(1, int(int(mask.sum()) * kl_cov_ratio))).indices
+    penalised = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    penalised[top] = True
+    penalised = penalised.view_as(mask) & mask.bool()
+    return torch.where(penalised, per_token + kl_cov_coef * log_ratio.abs(), per_token), penalised, ratio
+
+
+@register_policy_loss("gmpo")
+def gmpo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,
+         **_) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): the sequence's geometric mean of token ratios,
+    each token's log ratio clipped to [-clip_low, clip_high] (in log space, on the side that matters for the sign
+    of A), times the sequence's mean advantage; the same value at every token, so `seq-mean-token-mean` (the `gmpo`
+    preset) gives the paper's mean over sequences."""
+    log_ratio = logp - old_logp
+    valid = mask.to(logp.dtype)
+    sign = torch.sign(advantages)
+    bounded = log_ratio.clamp(-clip_low, clip_high)
+    log_ratio_clipped = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    lengths = valid.sum(1, keepdim=True).clamp(min=1)
+    ratio = torch.exp((log_ratio_clipped * valid).sum(1, keepdim=True) / lengths)
+    advantage = (advantages * valid).sum(1, keepdim=True) / lengths
+    per_token = (-advantage * ratio).expand_as(logp)
+    return per_token, log_ratio != bounded, ratio.expand_as(logp)
+
+
+@register_policy_loss("sapo")
+def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, sapo_tau_pos: float = 1.0,
+         sapo_tau_neg: float = 1.05, **_) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): a smooth gate instead of the
+    hard clip, -A · σ(τ(ρ - 1))·4/τ, with τ = `sapo_tau_pos` for A > 0 and `sapo_tau_neg` for A < 0: its gradient is
+    ρ's at ρ = 1 and fades smoothly away from it. Nothing is clipped."""
+    ratio = torch.exp(logp - old_logp)
+    tau = torch.where(advantages > 0, sapo_tau_pos, sapo_tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -advantages * gate, torch.zeros_like(mask, dtype=torch.bool), ratio

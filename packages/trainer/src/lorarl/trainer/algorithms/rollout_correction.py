@@ -7,25 +7,38 @@ from torch import Tensor
 
 from lorarl.trainer.algorithms.aggregation import check_shapes
 
-IS_LEVELS = ("token", "sequence")
+IS_LEVELS = ("token", "sequence", "token_mask", "sequence_reject")
 
 
-def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, level: str, cap: float) -> Tensor:
-    """Truncated importance weights `[N, R]` (detached, zero on masked tokens), as verl's rollout_is.
+def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, level: str, cap: float,
+                       band: tuple[float, float] = (0.5, 2.0)) -> Tensor:  # fmt: skip
+    """Correction weights `[N, R]` (detached, zero on masked tokens) for the per-token losses, with ρ_t =
+    π_old(y_t) / π_rollout(y_t):
 
-    token: w_t = min(π_old(y_t) / π_rollout(y_t), cap). sequence: w = min(Π_t π_old(y_t) / π_rollout(y_t), cap) at
-    every token of the sequence. Log-ratios are clamped to ±20 before exp, as verl does.
+    - token: truncated importance weights w_t = min(ρ_t, cap) (verl's rollout_is, truncate mode);
+    - sequence: w = min(Π_t ρ_t, cap) at every token of the sequence;
+    - token_mask: w_t = 1 where `band[0]` <= ρ_t <= `band[1]`, else 0 — tokens the two sides disagree on too much
+      get no gradient (IcePop, Ling Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model");
+    - sequence_reject: w = 1 for a sequence whose Π_t ρ_t lies in `band`, else 0 at all its tokens (rejection
+      sampling at the sequence level, verl's rollout_rs).
+
+    Log-ratios are clamped to ±20 before exp, as verl does.
     """
     if level not in IS_LEVELS:
         raise ValueError(f"level must be one of {IS_LEVELS}, got {level!r}")
     if cap <= 0:
         raise ValueError(f"cap must be > 0, got {cap}")
+    if not 0 <= band[0] <= 1 <= band[1]:
+        raise ValueError(f"band must be [low, high] with 0 <= low <= 1 <= high, got {list(band)}")
     check_shapes("response_mask", response_mask=response_mask, old_logp=old_logp, rollout_logp=rollout_logp)
     mask = response_mask.to(old_logp.dtype)
     log_ratio = (old_logp - rollout_logp).detach() * mask
-    if level == "sequence":
+    if level in ("sequence", "sequence_reject"):
         log_ratio = log_ratio.sum(1, keepdim=True).expand_as(log_ratio)
-    return torch.exp(log_ratio.clamp(-20.0, 20.0)).clamp(max=cap) * mask
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    if level in ("token_mask", "sequence_reject"):
+        return ((ratio >= band[0]) & (ratio <= band[1])).to(mask.dtype) * mask
+    return ratio.clamp(max=cap) * mask
 
 
 def rollout_mismatch(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor) -> dict[str, float]:

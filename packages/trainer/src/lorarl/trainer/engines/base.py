@@ -65,6 +65,15 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+class SubmitsInBackground:
+    """`generate` as `submit`, then wait: for the placements whose worker generates beside the caller."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> list[Completion]:
+        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
+
+
 class EngineError(TrainerError):
     """The rollout engine failed (its own traceback is in the message) or died."""
 

@@ -57,7 +57,7 @@ class HFWorker(Worker):
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
-        return sample(model, self.settings, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+        return generate_with_hf(model, self.settings, self.version, prompts, n, temperature, top_p, max_tokens, seed)
 
     # --- in the trainer's process ---------------------------------------------------------------------------------
 
@@ -116,7 +116,9 @@ def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def sample(model, settings: HFSettings, version, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+def generate_with_hf(
+    model, settings: HFSettings, version, prompts, n, temperature, top_p, max_tokens, seed
+) -> list[Completion]:
     """`n` responses per prompt (greedy when temperature is 0), batched, seeded: the same call, the same samples
     (what makes a resumed run repeat an uninterrupted one)."""
     eos, pad, device = settings.eos, settings.pad, settings.device

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineError
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground
 from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
 
 
@@ -19,7 +19,7 @@ def sync_sender(group, settings, bucket_bytes: int) -> BucketSender:
     return BucketSender(group, bucket_bytes=bucket_bytes, device=device, timeout=settings.timeout)
 
 
-class ProcessEngine:
+class ProcessEngine(SubmitsInBackground):
     def __init__(self, worker_class: type, settings, *, bucket_bytes: int):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -33,11 +33,6 @@ class ProcessEngine:
         self.sender = sync_sender(group, settings, bucket_bytes)
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = self._reply("start")
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> list[Completion]:
-        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
 
     def submit(
         self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int

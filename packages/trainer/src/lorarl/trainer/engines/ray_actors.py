@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, agreed
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground, agreed
 from lorarl.trainer.engines.process import sync_sender
 from lorarl.weight_sync import SyncStats, TensorSpec, create_sync_group, free_port
 
@@ -29,7 +29,7 @@ def connect(address: str | None, *, cpus: int) -> bool:
     return True
 
 
-class RayEngines:
+class RayEngines(SubmitsInBackground):
     """The `RolloutEngine` interface over several worker actors."""
 
     def __init__(self, worker_class: type, settings, *, replicas: int, bucket_bytes: int, address: str | None = None):
@@ -56,11 +56,6 @@ class RayEngines:
         self.sender = sync_sender(group, settings, bucket_bytes)
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = agreed(self._get(joined, "start"), "weights version")
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> list[Completion]:
-        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
 
     def submit(
         self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int

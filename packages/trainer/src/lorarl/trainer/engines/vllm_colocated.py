@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError
-from lorarl.trainer.engines.vllm_worker import VllmSettings, engine_args, sample
+from lorarl.trainer.engines.vllm_worker import VllmSettings, engine_args, generate_with_vllm
 from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, TensorSpec, free_port, save_adapter
 from lorarl.weight_sync.shared import BucketMailbox, share_buckets
 
@@ -67,7 +67,9 @@ class ColocatedVllmEngine:
                 raise EngineError("the colocated engine freed its weights to sleep: sync weights before generating")
             self.llm.wake_up()
             self.asleep = False
-        return sample(self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+        return generate_with_vllm(
+            self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed
+        )
 
     def submit(self, prompts, *, n, temperature, top_p, max_tokens, seed) -> Callable[[], list[Completion]]:
         """Generates now: the engine shares the trainer's GPU (and sleeps while it trains), so nothing overlaps."""

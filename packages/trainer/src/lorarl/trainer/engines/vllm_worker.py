@@ -85,7 +85,9 @@ def to_completions(outputs: Sequence, version: int) -> list[Completion]:
     return completions
 
 
-def sample(llm, lora_request, version, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+def generate_with_vllm(
+    llm, lora_request, version, prompts, n, temperature, top_p, max_tokens, seed
+) -> list[Completion]:
     """`n` responses per prompt from `llm` (with the served adapter, if any), seeded."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -131,7 +133,9 @@ class VllmWorker(Worker):
         return self.version
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
-        return sample(self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+        return generate_with_vllm(
+            self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed
+        )
 
     def receive(self) -> int:
         self.version = agreed(self.llm.collective_rpc("lorarl_receive_weights"), "weights version")
