@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lorarl.trainer.algorithms.critic import last_token_rewards
 from lorarl.trainer.registry import Registry
 
 AdvantageEstimator = Callable[..., Tensor]
@@ -159,9 +160,7 @@ def grpo_passk(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: 
 def reinforce_pp(rewards: Tensor, group_index: Tensor, mask: Tensor, *, gamma: float, eps: float, **_) -> Tensor:
     """REINFORCE++ (Hu 2025): the score on the last response token, returns discounted by `gamma` along the
     response, whitened over the batch's tokens."""
-    last = mask.cumsum(1).argmax(1)  # index of the last valid token
-    token_rewards = torch.zeros(mask.shape, dtype=torch.float32, device=rewards.device)
-    token_rewards[torch.arange(mask.shape[0]), last] = rewards * mask.any(1)
+    token_rewards = last_token_rewards(rewards, mask)
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(mask.shape[0], dtype=torch.float32, device=rewards.device)
     for t in reversed(range(mask.shape[1])):
