@@ -103,21 +103,24 @@ class Rollouts:
             buffer = max(1, round(a.overlong_buffer_frac * r.max_tokens))
             lengths = torch.tensor([len(c.token_ids) for c in completions])
             penalties = algorithms.overlong_penalty(lengths, r.max_tokens, buffer, a.overlong_penalty).tolist()
-        baselines = self._greedy_scores(examples, version) if self._needs_baseline() else None
+        baselines = None
+        if getattr(algorithms.ADVANTAGES[a.adv_estimator], "needs_greedy_baseline", False):
+            baselines = greedy_scores(self.engine, examples, self.tokenizer, self.reward_fn, max_tokens=r.max_tokens,
+                                      version=version, lag=int(r.overlap))  # fmt: skip
         return [Sample(list(e.prompt_ids), c, first_group + c.prompt_index, score, score + penalty,
                        None if baselines is None else baselines[c.prompt_index])
                 for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
 
-    def _needs_baseline(self) -> bool:
-        return getattr(algorithms.ADVANTAGES[self.config.algorithm.adv_estimator], "needs_greedy_baseline", False)
 
-    def _greedy_scores(self, examples: list[data.Example], version: int) -> list[float]:
-        """Each prompt's greedy response, scored: the baseline of ReMax-style estimators."""
-        greedy = self.engine.generate([e.prompt_ids for e in examples], n=1, temperature=0.0, top_p=1.0,
-                                      max_tokens=self.config.rollout.max_tokens, seed=0)  # fmt: skip
-        check_versions(greedy, version, lag=int(self.config.rollout.overlap))
-        texts = self.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
-        return rewards.score(self.reward_fn, [e.prompt for e in examples], texts, [e.answer for e in examples])
+def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward_fn: Callable, *,
+                  max_tokens: int, version: int, lag: int = 0) -> list[float]:  # fmt: skip
+    """The run's reward of the engine's greedy answer to each prompt, from weights `version` (or `lag` before):
+    validation, and the baseline of ReMax-style estimators."""
+    completions = engine.generate([e.prompt_ids for e in examples], n=1, temperature=0.0, top_p=1.0,
+                                  max_tokens=max_tokens, seed=0)  # fmt: skip
+    check_versions(completions, version, lag=lag)
+    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    return rewards.score(reward_fn, [e.prompt for e in examples], texts, [e.answer for e in examples])
 
 
 def check_versions(completions: list[Completion], version: int, *, lag: int = 0) -> None:

@@ -120,12 +120,9 @@ def opo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): A = r - Σ|y|·r / Σ|y| over the group,
     the length-weighted baseline that minimises the gradient's variance (a group of one: baseline 0)."""
     stats = group_stats(rewards, group_index)
-    _, inverse = torch.unique(group_index, return_inverse=True)
     lengths = mask.sum(1).double()
-    groups = int(inverse.max()) + 1
-    weighted = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, lengths * rewards.double())
-    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, lengths)
-    baseline = torch.where(stats.size > 1, weighted[inverse] / total[inverse].clamp(min=1), 0.0)
+    weighted, total = group_stats(lengths * rewards.double(), group_index).mean, group_stats(lengths, group_index).mean
+    baseline = torch.where((stats.size > 1) & (total > 0), weighted / total, 0.0)  # Σ|y|r / Σ|y|: the sizes cancel
     return per_token(torch.where(stats.tied & (stats.size > 1), 0.0, rewards.double() - baseline), mask)
 
 

@@ -4,6 +4,8 @@ differ; a soft overlong punishment lowers the reward of responses near the lengt
 import torch
 from torch import Tensor
 
+from lorarl.trainer.algorithms.advantages import group_stats
+
 
 def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:
     """The soft overlong punishment, added to the reward: 0 up to `max_tokens - buffer` tokens, then falling
@@ -21,9 +23,5 @@ def informative_groups(rewards: Tensor, group_index: Tensor) -> Tensor:
     if rewards.dim() != 1 or group_index.shape != rewards.shape:
         raise ValueError(f"expected rewards [N] and group_index [N], got {tuple(rewards.shape)}, "
                          f"{tuple(group_index.shape)}")  # fmt: skip
-    rewards = rewards.to(torch.float64)
-    _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    groups = counts.numel()
-    low = torch.full((groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, inverse, rewards, "amin")
-    high = torch.full((groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, inverse, rewards, "amax")
-    return ((high > low) | (counts == 1))[inverse]
+    stats = group_stats(rewards, group_index)
+    return ~stats.tied | (stats.size == 1)

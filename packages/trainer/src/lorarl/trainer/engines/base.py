@@ -74,6 +74,18 @@ class SubmitsInBackground:
         return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
 
 
+class GeneratesWhenAsked:
+    """`submit` that generates at once and hands back the result: for engines that share the trainer's process or
+    device, where nothing could overlap with training."""
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ) -> Callable[[], list[Completion]]:
+        completions = self.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                    seed=seed)  # fmt: skip
+        return lambda: completions
+
+
 class EngineError(TrainerError):
     """The rollout engine failed (its own traceback is in the message) or died."""
 

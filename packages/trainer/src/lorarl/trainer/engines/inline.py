@@ -3,15 +3,15 @@ and transformers, no wire: merged weights are copied from the stream straight in
 checks (`weight_sync.copy_into`). It generates when asked, so nothing overlaps with training."""
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, Worker
+from lorarl.trainer.engines.base import Capabilities, Completion, GeneratesWhenAsked, Worker
 from lorarl.weight_sync import SyncStats, TensorSpec
 
 
-class InlineEngine:
+class InlineEngine(GeneratesWhenAsked):
     def __init__(self, worker: Worker):
         self.worker = worker
         self.version = worker.version
@@ -21,13 +21,6 @@ class InlineEngine:
         self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
     ) -> list[Completion]:
         return self.worker.generate([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)
-
-    def submit(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> Callable[[], list[Completion]]:
-        completions = self.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                    seed=seed)  # fmt: skip
-        return lambda: completions
 
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]

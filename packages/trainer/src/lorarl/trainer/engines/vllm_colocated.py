@@ -4,18 +4,18 @@ import concurrent.futures
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineError
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, GeneratesWhenAsked
 from lorarl.trainer.engines.vllm_worker import VllmSettings, engine_args, generate_with_vllm
 from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, TensorSpec, free_port, save_adapter
 from lorarl.weight_sync.shared import BucketMailbox, share_buckets
 
 
-class ColocatedVllmEngine:
+class ColocatedVllmEngine(GeneratesWhenAsked):
     """vLLM on the trainer's GPUs (`rollout.devices` unset), started by the trainer's process (rank 0).
 
     Tensor-parallel size 1: the engine's worker runs in the trainer's process, and the weights go from
@@ -70,12 +70,6 @@ class ColocatedVllmEngine:
         return generate_with_vllm(
             self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed
         )
-
-    def submit(self, prompts, *, n, temperature, top_p, max_tokens, seed) -> Callable[[], list[Completion]]:
-        """Generates now: the engine shares the trainer's GPU (and sleeps while it trains), so nothing overlaps."""
-        completions = self.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                    seed=seed)  # fmt: skip
-        return lambda: completions
 
     def sleep(self) -> None:
         """Free the GPU for training (see the class docstring for what each mode keeps)."""
