@@ -68,7 +68,7 @@ def test_a_registered_estimator_is_a_config_choice_and_drives_training(tiny_setu
         trainer.engine.close()
     ((rewards, options),) = zero_advantages
     assert rewards.numel() == 8 * 4
-    assert options == {"norm_std": True, "gamma": 1.0, "eps": 1e-6}
+    assert options == {"norm_std": True, "gamma": 1.0, "lam": 1.0, "eps": 1e-6}
     assert float(rewards.mean()) == pytest.approx(metrics["reward/mean"])  # the step's scores (no shaping here)
     assert metrics["grad_norm"] == 0.0  # zero advantages: no gradient, and the adapter did not move
     for name, p in trainer.model.named_parameters():

@@ -169,7 +169,7 @@ def test_starting_from_a_saved_adapter(trained, tiny_setup, tmp_path):
     loaded = get_peft_model_state_dict(trainer.model)
     assert trainer.model.peft_config["default"].r == 8  # rank and alpha come from the adapter, not model.lora.rank
     assert all(torch.equal(loaded[k], v) for k, v in saved.items())
-    assert any(p.requires_grad for p in trainer.policy.trainable)
+    assert any(p.requires_grad for p in trainer.policy.trainable())
 
 
 def test_ppo_epochs_mini_batches_and_kl_in_the_reward(tiny_setup, tmp_path):
@@ -199,6 +199,6 @@ def test_a_step_is_the_same_every_time(tmp_path):
             trainer.train_step(1)
         finally:
             trainer.engine.close()
-        trained.append([p.detach().clone() for p in trainer.policy.trainable])
+        trained.append([p.detach().clone() for p in trainer.policy.trainable()])
     for other in trained[1:]:
         assert all(torch.equal(a, b) for a, b in zip(trained[0], other, strict=True))

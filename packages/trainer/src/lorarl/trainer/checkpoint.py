@@ -1,5 +1,6 @@
-"""Checkpoints: the adapter in peft format (or the full model), plus everything to resume exactly — optimizer,
-scheduler, RNG states, data position, step. Written to a temporary directory, then renamed into place, so a crash
+"""Checkpoints: the adapter in peft format (or the full model) — `adapter/` (`model/`) — and the critic, if any
+(`critic/`: its peft adapter or model, and `value_head.safetensors`), plus everything to resume exactly: optimizers,
+schedules, RNG states, data position, step. Written to a temporary directory, then renamed into place, so a crash
 mid-write never leaves a checkpoint that looks complete.
 """
 
@@ -7,29 +8,31 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
 
 from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.models import Critic
 
 STATE = "trainer_state.pt"
+VALUE_HEAD = "value_head.safetensors"
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step_{step}"
 
 
-def save(output_dir: Path, step: int, model: nn.Module, *, is_lora: bool, state: dict, config_yaml: str,
-         weights: dict[str, torch.Tensor] | None = None) -> Path:  # fmt: skip
-    """`weights`: the state dict to write instead of the model's own (gathered from a sharded model)."""
+def save(output_dir: Path, step: int, write_weights: Callable[[Path], None], *, state: dict, config_yaml: str) -> Path:
+    """The checkpoint of `step`: `write_weights(directory)` writes the models (`save_policy`, `save_critic`)."""
     final = checkpoint_dir(output_dir, step)
     temporary = final.parent / f".incomplete-{final.name}-{uuid.uuid4().hex[:8]}"
     temporary.mkdir(parents=True)
-    extra = {} if weights is None else {"state_dict": weights}
-    model.save_pretrained(temporary / ("adapter" if is_lora else "model"), safe_serialization=True, **extra)
+    write_weights(temporary)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}  # noqa: NPY002
     torch.save({**state, "step": step, "rng": rng}, temporary / STATE)
     (temporary / "config.yaml").write_text(config_yaml)
@@ -56,16 +59,40 @@ def latest(output_dir: Path) -> Path | None:
     return max(found, key=lambda p: int(p.name.removeprefix("step_")), default=None)
 
 
-def load_weights(path: Path, model: nn.Module, *, is_lora: bool) -> None:
-    """The checkpoint's adapter (or full model) into `model` (unsharded: data-parallel ranks load before sharding)."""
-    from safetensors.torch import load_file
+def save_policy(directory: Path, model: nn.Module, *, is_lora: bool, weights: dict[str, Tensor] | None) -> None:
+    """The policy's adapter (only it: not the critic's beside it) or full model. `weights`: the state dict to write
+    instead of the model's own (gathered from a sharded model)."""
+    only_policy = {"selected_adapters": ["default"]} if is_lora else {}
+    model.save_pretrained(directory / ("adapter" if is_lora else "model"), state_dict=weights, **only_policy)
 
-    if is_lora:
+
+def save_critic(directory: Path, critic: Critic, *, weights: dict[str, Tensor] | None,
+                head: dict[str, Tensor]) -> None:  # fmt: skip
+    """The critic's adapter in peft format, or its model, and its value head, in `directory/critic`."""
+    if critic.shares_base:  # peft writes an adapter other than "default" into a directory of its name
+        critic.model.save_pretrained(directory, selected_adapters=[critic.adapter], state_dict=weights)
+    else:
+        critic.model.save_pretrained(directory / "critic", state_dict=weights)
+    save_file({name: t.contiguous() for name, t in head.items()}, directory / "critic" / VALUE_HEAD)
+
+
+def load_policy(path: Path, model: nn.Module, *, is_lora: bool) -> None:
+    """The checkpoint's adapter (or full model) into `model` (unsharded: data-parallel ranks load before sharding)."""
+    _load_into(model, path / ("adapter" if is_lora else "model"), adapter="default" if is_lora else None)
+
+
+def load_critic(path: Path, critic: Critic) -> None:
+    _load_into(critic.model, path / "critic", adapter=critic.adapter if critic.is_lora else None)
+    critic.head.load_state_dict(load_file(path / "critic" / VALUE_HEAD))
+
+
+def _load_into(model: nn.Module, directory: Path, *, adapter: str | None) -> None:
+    if adapter is not None:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+        set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"), adapter_name=adapter)
     else:
-        model.load_state_dict(load_file(str(path / "model" / "model.safetensors")), strict=False)
+        model.load_state_dict(load_file(directory / "model.safetensors"), strict=False)
 
 
 def load_state(path: Path) -> dict:
@@ -75,17 +102,3 @@ def load_state(path: Path) -> dict:
     np.random.set_state(state["rng"]["numpy"])  # noqa: NPY002 - the global generator is what libraries use
     torch.set_rng_state(state["rng"]["torch"])
     return state
-
-
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's full state keyed by parameter names, gathered from a sharded model (a collective then):
-    the same file resumes on any number of data-parallel ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

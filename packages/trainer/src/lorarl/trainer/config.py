@@ -102,7 +102,9 @@ class AlgorithmSection:
     name: str = option("grpo", "preset this section started from")
     adv_estimator: str = option("grpo", "advantage estimator (algorithms/advantages.py)", ADVANTAGES)
     norm_std: bool = option(True, "divide group-centred rewards by the group's std (grpo)")
-    gamma: float = option(1.0, "discount along the response (reinforce_pp)")
+    gamma: float = option(1.0, "discount along the response (reinforce_pp, gae)")
+    lam: float = option(1.0, "GAE's lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD (gae)",
+                        minimum=0.0, maximum=1.0)  # fmt: skip
     policy_loss: str = option("ppo", "policy loss (algorithms/policy_losses.py)", POLICY_LOSSES)
     clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low)", minimum=0.0, maximum=1.0)
     clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)", minimum=0.0)
@@ -151,6 +153,19 @@ class ActorSection:
 
 
 @dataclass
+class CriticSection:
+    """The value model of estimators that use one (`algorithm.adv_estimator=gae`): a second adapter on the policy's
+    base, or its own copy of the base when either is fully fine-tuned (rank 0), and a value head."""
+
+    lora: LoraSection = field(default_factory=LoraSection)
+    lr: float = option(1e-3, "learning rate of the critic's adapter and value head", minimum=0.0)
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient norm clip (0 = off)")
+    warmup_steps: int = option(0, "first steps that train the critic alone (verl's critic_warmup)", minimum=0)
+    cliprange_value: float | None = option(0.5, "value-loss clip around the rollout's values (None = unclipped)")
+
+
+@dataclass
 class RewardSection:
     fn: str = option("default", "built-in (default, math) or package.module:function or path/to/file.py:function")
 
@@ -179,6 +194,7 @@ class Config:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     actor: ActorSection = field(default_factory=ActorSection)
+    critic: CriticSection = field(default_factory=CriticSection)
     reward: RewardSection = field(default_factory=RewardSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
 

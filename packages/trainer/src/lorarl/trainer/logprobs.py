@@ -162,25 +162,47 @@ def response_logprobs(
         logits = model(**micro.inputs, use_cache=False).logits
         log_p = torch.log_softmax(micro.align(logits)[mask].float() / temperature, -1)
         values = torch.stack([log_p.gather(1, micro.targets[mask][:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)], -1)
-        return _on_slots(values, mask)
+    else:
 
+        def score(hidden: Tensor) -> Tensor:
+            logp, entropy = head_logprobs(hidden, head.weight, head.bias, micro.targets[mask],
+                                          temperature=temperature, entropy_grad=entropy_grad)  # fmt: skip
+            return torch.stack([logp, entropy if entropy_grad else entropy.detach()], -1)
+
+        values = _from_response_states(model, micro, score)
+    slots = _on_slots(values, mask)
+    return slots[..., 0], slots[..., 1]
+
+
+def response_values(model: nn.Module, micro: MicroBatch, value_head: nn.Module) -> Tensor:
+    """`[B, R]` float32 values of the state before each response token (zero past each response): `value_head` on the
+    hidden state that predicts the token — the same alignment as the log-probs, so V_t and log π(a_t) pair up."""
+    values = _from_response_states(model, micro, lambda hidden: value_head(hidden.to(value_head.weight.dtype)))
+    return _on_slots(values, micro.mask)[..., 0]
+
+
+def _from_response_states(model: nn.Module, micro: MicroBatch, per_token: Callable[[Tensor], Tensor]) -> Tensor:
+    """`per_token` of the last hidden states that predict the response tokens (`[Tr, hidden]` -> `[Tr, k]`), from a
+    forward whose LM head runs `per_token` instead of the logits. Each distinct prompt of a shared-prompt micro-batch
+    runs once: its hidden states and KV cache serve all its responses."""
+    head = model.get_output_embeddings()
     prefix, cache = None, {"use_cache": False}
-    if micro.prompts is not None:  # each distinct prompt once: its hidden states and KV cache, one per sample
+    if micro.prompts is not None:
         with _head_replaced(head, lambda hidden: hidden):
             out = model(**micro.prompts.inputs, use_cache=True)
         which = micro.prompts.which.to(out.logits.device)
         _select_rows(out.past_key_values, which)
         prefix, cache = out.logits.index_select(0, which), {"past_key_values": out.past_key_values, "use_cache": True}
+    scores = []
 
-    def score(hidden: Tensor) -> Tensor:
+    def forward(hidden: Tensor) -> Tensor:
         full = hidden if prefix is None else torch.cat([prefix, hidden], 1)
-        logp, entropy = head_logprobs(micro.align(full)[mask], head.weight, head.bias, micro.targets[mask],
-                                      temperature=temperature, entropy_grad=entropy_grad)  # fmt: skip
-        return torch.stack([logp, entropy if entropy_grad else entropy.detach()], -1)
+        scores.append(per_token(micro.align(full)[micro.mask]))
+        return hidden[..., :1]  # what the model's code after the head sees (a logit transform, say): not the scores
 
-    with _head_replaced(head, score):
-        values = model(**micro.inputs, **cache).logits  # what the head returned: [Tr, 2]
-    return _on_slots(values, mask)
+    with _head_replaced(head, forward):
+        model(**micro.inputs, **cache)
+    return scores[0]
 
 
 def _select_rows(cache, which: Tensor) -> None:
@@ -197,11 +219,11 @@ def scores_from_hidden(model: nn.Module) -> bool:
     return type(model.get_output_embeddings()) is nn.Linear and not _transforms_logits(model)
 
 
-def _on_slots(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """`[Tr, 2]` values of the response tokens -> two `[B, R]` tensors, zero past each response."""
-    out = values.new_zeros(*mask.shape, 2)
+def _on_slots(values: Tensor, mask: Tensor) -> Tensor:
+    """`[Tr, k]` values of the response tokens -> `[B, R, k]` float32, zero past each response."""
+    out = values.new_zeros(*mask.shape, values.shape[-1], dtype=torch.float32)
     out[mask] = values.float()
-    return out[..., 0], out[..., 1]
+    return out
 
 
 def _transforms_logits(model: nn.Module) -> bool:

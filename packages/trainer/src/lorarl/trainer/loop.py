@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lorarl.trainer import checkpoint, data, rewards
+from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.console import Console, summary
 from lorarl.trainer.engines import EngineContext, RolloutEngine, placement, start_engine
@@ -21,7 +21,7 @@ from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, plot
-from lorarl.trainer.models import Policy, load_tokenizer, rollout_dtype
+from lorarl.trainer.models import Critic, Policy, load_tokenizer, rollout_dtype
 from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
 from lorarl.trainer.rollout import Rollouts
 from lorarl.trainer.update import ActorUpdate, to_batch
@@ -40,6 +40,8 @@ class Trainer:
                                    ("cpu" if t.device == "auto" else t.device))  # fmt: skip
         self.dp, self.device = setup_data_parallel(self.device)
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
+        uses_critic = getattr(algorithms.ADVANTAGES[config.algorithm.adv_estimator], "needs_values", False)
+        self.critic = Critic(config.critic, self.policy, self.device) if uses_critic else None
         self.rollout_dtype = rollout_dtype(r.dtype, self.policy.dtype, self.device)
         self.model = self.policy.model
         layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
@@ -47,10 +49,15 @@ class Trainer:
         share_prompts = layout == "padded" and r.n > 1 and scores_from_hidden(self.model)
         resume_from = checkpoint.to_resume(t.resume, self.output_dir)
         if resume_from is not None:  # before sharding: every rank reads the full weights
-            checkpoint.load_weights(resume_from, self.model, is_lora=self.policy.is_lora)
+            checkpoint.load_policy(resume_from, self.model, is_lora=self.policy.is_lora)
+            if self.critic is not None:
+                checkpoint.load_critic(resume_from, self.critic)
         if self.dp is not None:
             shard(self.model, self.dp.mesh)
-            self.policy.trainable = [p for p in self.model.parameters() if p.requires_grad]  # now sharded
+            if self.critic is not None:
+                shard(self.critic.head, self.dp.mesh)
+                if not self.critic.shares_base:
+                    shard(self.critic.model, self.dp.mesh)
         self.tokenizer = load_tokenizer(self.policy.path)
         train_set, dropped = self._examples(config.data.train_files, "train.jsonl")
         self.val_set, val_dropped = self._examples(config.data.val_files, "val.jsonl")
@@ -60,7 +67,8 @@ class Trainer:
         self.reward_fn = rewards.load_reward(config.reward.fn)
         sampler = data.PromptSampler(len(train_set), config.data.batch_size, t.seed)
         self.rollouts = Rollouts(config, train_set, sampler, self.tokenizer, self.reward_fn)
-        self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts)
+        self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
+                                 critic=self.critic)  # fmt: skip
         self.start_step = self._resume(resume_from)
         self.weights = WeightSync(self.model, mode=r.sync, dtype=self.rollout_dtype, dp=self.dp,
                                   version=self.start_step)  # fmt: skip
@@ -96,7 +104,7 @@ class Trainer:
         stats = self.weights.sync(version=step)
         return {
             **metrics,
-            "lr": self.actor.scheduler.get_last_lr()[0],
+            "lr": self.actor.optimizer.lr,
             "data/epoch": self.rollouts.sampler.epoch,
             "timing/rollout_s": rollout_s,
             "timing/train_s": train_s,
@@ -200,27 +208,36 @@ class Trainer:
 
     def save(self, step: int) -> Path | None:
         """A checkpoint by the main rank; with data parallelism every rank first takes part in gathering the
-        trainable weights and the optimizer state (saved whole: it resumes on any number of ranks)."""
-        optimizer = checkpoint.optimizer_state(self.model, self.actor.optimizer)
-        weights = None
+        trainable weights and the optimizers' states (saved whole: it resumes on any number of ranks)."""
+        critic = self.critic
+        state = {"actor": self.actor.optimizer.state_dict(self.model)}
+        weights = critic_weights = None
         if self.dp is not None:
-            trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-            weights = full_state_dict({k: v for k, v in self.model.state_dict().items() if k in trainable or
-                                       not self.policy.is_lora})  # fmt: skip
+            weights = _gathered(self.model, self.policy.is_lora)
+            if critic is not None:
+                critic_weights = weights if critic.shares_base else _gathered(critic.model, critic.is_lora)
+        if critic is not None:
+            state["critic"] = self.actor.critic_optimizer.state_dict(critic.modules)
+            head = full_state_dict(critic.head.state_dict())
         if not self.is_main:
             return None
-        state = {"optimizer": optimizer, "scheduler": self.actor.scheduler.state_dict(),
-                 "sampler": self.rollouts.sampler.state_dict(), "prefetched": self.rollouts.prefetched}  # fmt: skip
-        return checkpoint.save(self.output_dir, step, self.model, is_lora=self.policy.is_lora, state=state,
-                               config_yaml=to_yaml(self.config), weights=weights)  # fmt: skip
+        state.update({"sampler": self.rollouts.sampler.state_dict(), "prefetched": self.rollouts.prefetched})
+
+        def write_weights(directory: Path) -> None:
+            checkpoint.save_policy(directory, self.model, is_lora=self.policy.is_lora, weights=weights)
+            if critic is not None:
+                checkpoint.save_critic(directory, critic, weights=critic_weights, head=head)
+
+        return checkpoint.save(self.output_dir, step, write_weights, state=state, config_yaml=to_yaml(self.config))
 
     def _resume(self, path: Path | None) -> int:
-        """The optimizer, scheduler, data position and RNG of the checkpoint whose weights are loaded already."""
+        """The optimizers, schedules, data position and RNG of the checkpoint whose weights are loaded already."""
         if path is None:
             return 0
         state = checkpoint.load_state(path)
-        checkpoint.load_optimizer_state(self.model, self.actor.optimizer, state["optimizer"])
-        self.actor.scheduler.load_state_dict(state["scheduler"])
+        self.actor.optimizer.load_state_dict(self.model, state["actor"])
+        if self.critic is not None:
+            self.actor.critic_optimizer.load_state_dict(self.critic.modules, state["critic"])
         self.rollouts.sampler.load_state_dict(state["sampler"])
         self.rollouts.prefetched = state.get("prefetched")
         self.console.say(f"resumed from {path} (step {state['step']})")
@@ -251,6 +268,12 @@ def _check_settings(config: Config) -> None:
         raise TrainerError(f"algorithm.rollout_correction_band={band}: expected [low, high] with 0 <= low <= 1 <= high")
     if r.overlap and placement(r, t.backend) == "inline":
         raise TrainerError("rollout.overlap generates beside the training: it needs rollout.worker=process")
+
+
+def _gathered(model: torch.nn.Module, is_lora: bool) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of a sharded model (its trainable weights, or all of a full fine-tune), gathered."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return full_state_dict({k: v for k, v in model.state_dict().items() if k in trainable or not is_lora})
 
 
 def _seed_everything(seed: int) -> None:

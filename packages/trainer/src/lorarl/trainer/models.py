@@ -1,7 +1,9 @@
-"""The policy: a Hugging Face causal LM, with a peft LoRA adapter (`model.lora.rank > 0`) or fully trainable (0).
+"""The policy: a Hugging Face causal LM, with a peft LoRA adapter (`model.lora.rank > 0`) or fully trainable (0); and
+the critic of PPO with a value model.
 
-The reference policy for the KL term is the same model with its adapter disabled — no second copy in memory. Only a
-full fine-tune with a KL coefficient keeps a frozen copy.
+One copy of the base weights serves them all: the reference policy for the KL term is the model with its adapter
+disabled, and the critic is a second adapter on it (`Critic`). Only full fine-tuning keeps copies: a frozen reference
+(with a KL coefficient), a critic of its own.
 """
 
 import contextlib
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from lorarl.trainer import default_task
-from lorarl.trainer.config import LoraSection, ModelSection
+from lorarl.trainer.config import CriticSection, LoraSection, ModelSection
 from lorarl.trainer.errors import TrainerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,7 +73,11 @@ class Policy:
                 self.frozen_reference = copy.deepcopy(base).eval().requires_grad_(False)
         else:
             self.model = _with_adapter(base, section.lora)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The policy's trainable weights (looked up by name: FSDP replaces the parameters when it shards them)."""
+        return parameters_named(self.model, self.trainable_names)
 
     @contextlib.contextmanager
     def reference(self):
@@ -93,19 +99,86 @@ def _uses_lora(lora: LoraSection) -> bool:
 
 
 def _with_adapter(base: nn.Module, lora: LoraSection) -> nn.Module:
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
     if lora.adapter_path is not None:
         if not (Path(lora.adapter_path) / "adapter_config.json").is_file():
             raise TrainerError(f"model.lora.adapter_path={lora.adapter_path!r}: no adapter_config.json there")
         return PeftModel.from_pretrained(base, lora.adapter_path, is_trainable=True)
+    return get_peft_model(base, lora_config(lora))
+
+
+def lora_config(lora: LoraSection):
+    from peft import LoraConfig
+
     targets = "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        target_modules=targets,
-        exclude_modules=list(lora.exclude_modules) or None,
-        lora_dropout=lora.dropout,
-        use_rslora=lora.rslora,
-    )
-    return get_peft_model(base, config)
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
+                      exclude_modules=list(lora.exclude_modules) or None, lora_dropout=lora.dropout,
+                      use_rslora=lora.rslora)  # fmt: skip
+
+
+def parameters_named(model: nn.Module, names: list[str]) -> list[nn.Parameter]:
+    """`model`'s parameters called `names` (the same names once FSDP has sharded them)."""
+    wanted = set(names)
+    return [p for name, p in model.named_parameters() if name in wanted]
+
+
+class Critic:
+    """PPO's value model: V(s_t) = a float32 linear value head on the last hidden state before token t.
+
+    It is a LoRA adapter named "critic" beside the policy's own on the same base when both use LoRA — one copy of the
+    base weights, the adapter selected per forward (`selected`) — else its own copy of the base (an adapter on it, or
+    fully trained with `critic.lora.rank=0`). The policy's outputs, merged weights and saved adapter never see it."""
+
+    ADAPTER = "critic"
+
+    def __init__(self, section: CriticSection, policy: Policy, device: torch.device):
+        if section.lora.adapter_path is not None:
+            raise TrainerError("critic.lora.adapter_path is not supported: a critic continues from a checkpoint "
+                               "(trainer.resume)")  # fmt: skip
+        if section.lora.rank < 0:
+            raise TrainerError(f"critic.lora.rank must be >= 0 (0 = a fully trained copy), got {section.lora.rank}")
+        self.shares_base = policy.is_lora and section.lora.rank > 0
+        self.is_lora = section.lora.rank > 0
+        self.adapter = self.ADAPTER if self.shares_base else "default"  # its name in `model`, if an adapter
+        if self.shares_base:
+            self.model = policy.model
+            self.model.add_adapter(self.ADAPTER, lora_config(section.lora))
+            self.trainable_names = [name for name, _ in self.model.named_parameters()
+                                    if f".{self.ADAPTER}." in name]  # fmt: skip
+        else:
+            base = load_base(policy.path, policy.dtype, device)
+            self.model = _with_adapter(base, section.lora) if self.is_lora else base
+            self.trainable_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        for p in parameters_named(self.model, self.trainable_names):
+            p.requires_grad_(True)  # peft adds an adapter that is not the active one frozen
+        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else None
+        hidden = (config or self.model.config).hidden_size
+        self.head = nn.Linear(hidden, 1, dtype=torch.float32, device=device)
+        with torch.no_grad():  # values start near 0: the rewards' scale, not the hidden states' norm
+            self.head.weight.normal_(0.0, 1.0 / hidden)
+            self.head.bias.zero_()
+        self.modules = nn.ModuleDict({"model": self.model, "head": self.head})  # names for the optimizer's state
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The critic's trainable weights: its adapter (or model) and the value head."""
+        return parameters_named(self.model, self.trainable_names) + list(self.head.parameters())
+
+    @contextlib.contextmanager
+    def selected(self):
+        """The model with the critic's adapter active (the policy's inactive) for the duration. Not peft's
+        `set_adapter`: it flips requires_grad flags, which must stay as they were when the model was sharded."""
+        if not self.shares_base:
+            yield self.model
+            return
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        before = [m._active_adapter for m in layers]
+        for layer in layers:
+            layer._active_adapter = [self.ADAPTER]
+        try:
+            yield self.model
+        finally:
+            for layer, active in zip(layers, before, strict=True):
+                layer._active_adapter = active

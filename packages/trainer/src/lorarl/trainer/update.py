@@ -2,15 +2,16 @@
 (gradient accumulation bounded by tokens), each micro-batch's loss composed from the configured algorithm."""
 
 import contextlib
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lorarl.trainer import algorithms
 from lorarl.trainer.config import Config
-from lorarl.trainer.logprobs import micro_batch, micro_batches, response_logprobs
-from lorarl.trainer.models import Policy
+from lorarl.trainer.logprobs import MicroBatch, micro_batch, micro_batches, response_logprobs, response_values
+from lorarl.trainer.models import Critic, Policy
+from lorarl.trainer.optim import Optimizer
 from lorarl.trainer.parallel import DataParallel
 from lorarl.trainer.rollout import Sample, step_seed
 
@@ -32,6 +33,8 @@ class Batch:
     reference: torch.Tensor | None = None
     old: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # the critic's, of the rollout (PPO with a critic)
+    returns: torch.Tensor | None = None  # what the critic regresses on
 
 
 def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
@@ -58,44 +61,53 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
 
 
 class ActorUpdate:
-    """The optimizer and schedule of the policy's trainable weights, and the step's update of them. `layout` and
-    `share_prompts` are `logprobs`' micro-batch layout, chosen before the model was sharded."""
+    """The step's update of the policy's trainable weights — and of the critic's, with an estimator that uses one
+    (`gae`): both train in the same PPO epochs x mini-batches x micro-batches, each with its own optimizer. `layout`
+    and `share_prompts` are `logprobs`' micro-batch layout, chosen before the model was sharded."""
 
     def __init__(self, config: Config, policy: Policy, device: torch.device, dp: DataParallel | None, *, layout: str,
-                 share_prompts: bool) -> None:  # fmt: skip
+                 share_prompts: bool, critic: Critic | None = None) -> None:  # fmt: skip
         self.config, self.policy, self.model, self.device, self.dp = config, policy, policy.model, device, dp
-        self.layout, self.share_prompts = layout, share_prompts
-        a = config.actor
-        self.optimizer = torch.optim.AdamW(policy.trainable, lr=a.lr, weight_decay=a.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_factor(a.warmup_steps, config.trainer.steps, a.lr_schedule)
-        )
+        self.layout, self.share_prompts, self.critic = layout, share_prompts, critic
+        a, c, steps = config.actor, config.critic, config.trainer.steps
+        self.optimizer = Optimizer(policy.trainable(), lr=a.lr, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
+                                   warmup=a.warmup_steps, total=steps, schedule=a.lr_schedule)  # fmt: skip
+        self.critic_optimizer = None
+        if critic is not None:
+            self.critic_optimizer = Optimizer(critic.trainable(), lr=c.lr, weight_decay=c.weight_decay,
+                                              grad_clip=c.grad_clip, warmup=0, total=steps,
+                                              schedule=a.lr_schedule)  # fmt: skip
 
     def advantages(self, batch: Batch) -> None:
-        """`batch.advantages` by the configured estimator — and what it and the loss need first: the reference
+        """`batch.advantages` by the configured estimator — and what it and the losses need first: the reference
         log-probs (only with a KL term), the old policy's (only when the policy moves within the step), the KL
-        subtracted from the rewards (`kl_in_reward`)."""
+        subtracted from the rewards (`kl_in_reward`), the critic's values and the returns it regresses on."""
         a = self.config.algorithm
         with torch.no_grad():
             if a.kl_coef > 0:
                 batch.reference = self.logprobs(batch, reference=True)
             if a.ppo_epochs > 1 or a.mini_batches > 1:
                 batch.old = self.logprobs(batch)
-        rewards = batch.rewards
+            if self.critic is not None:
+                batch.values = self._over_batch(batch, self._values)
+        penalty = None
         if batch.reference is not None and a.kl_in_reward:
             current = batch.old if batch.old is not None else self.logprobs(batch)
-            kl = algorithms.kl_penalty(current, batch.reference, a.kl_estimator)
-            rewards = rewards - a.kl_coef * (kl * batch.loss_mask).sum(1)
-        batch.advantages = algorithms.advantages(a.adv_estimator, rewards, batch.group, batch.loss_mask,
-                                                 norm_std=a.norm_std, gamma=a.gamma,
-                                                 baseline=batch.baselines)  # fmt: skip
+            penalty = a.kl_coef * algorithms.kl_penalty(current, batch.reference, a.kl_estimator) * batch.loss_mask
+        batch.advantages = algorithms.advantages(a.adv_estimator, batch.rewards, batch.group, batch.loss_mask,
+                                                 norm_std=a.norm_std, gamma=a.gamma, lam=a.lam,
+                                                 baseline=batch.baselines, values=batch.values,
+                                                 token_penalty=penalty)  # fmt: skip
+        if batch.values is not None:
+            _, batch.returns = algorithms.gae_returns(batch.rewards, batch.values, batch.loss_mask, gamma=a.gamma,
+                                                      lam=a.lam, token_penalty=penalty)  # fmt: skip
 
     def update(self, step: int, batch: Batch) -> dict:
-        """PPO epochs x mini-batches x micro-batches, then the learning-rate schedule's step. Returns the metrics,
-        averaged over the optimizer steps."""
+        """PPO epochs x mini-batches x micro-batches, then the learning-rate schedules' step. The actor waits for the
+        first `critic.warmup_steps` steps. Returns the metrics, averaged over the optimizer steps."""
         a = self.config.algorithm
+        trains_actor = self.critic is None or step > self.config.critic.warmup_steps
         sums: dict[str, float] = {}
-        grad_norm = 0.0
         generator = torch.Generator().manual_seed(step_seed(self.config.trainer.seed, step))
         order = torch.randperm(len(batch.prompts), generator=generator)
         seen_old = torch.zeros_like(batch.rollout_logp)  # π_old of every sample, for the mismatch metrics
@@ -110,25 +122,39 @@ class ActorUpdate:
                 }
                 for micro in self._micro_batches(batch, minibatch):
                     rows = micro or minibatch[:1]  # None: this rank has no rows left; run one with zero weight
-                    loss, info, old_logp = self._loss(batch, rows, totals)
-                    if micro is None:
-                        (loss * 0.0).backward()
-                        continue
-                    if epoch == 0:
-                        seen_old[rows] = old_logp.cpu()
-                    (loss * self.dp.world if self.dp is not None else loss).backward()  # FSDP averages: sum instead
-                    share = float(batch.loss_mask[rows].sum()) / totals["total_tokens"]
-                    info["loss"] = float(loss.detach()) / share if share else 0.0
+                    # FSDP averages the ranks' gradients: scale by the world size to sum them instead
+                    weight = 0.0 if micro is None else float(self.dp.world if self.dp is not None else 1)
+                    share = float(batch.loss_mask[rows].sum()) / totals["total_tokens"] if micro else 0.0
+                    info = {}
+                    if trains_actor:
+                        loss, info, old_logp = self._loss(batch, rows, totals)
+                        (loss * weight).backward()
+                        if micro and epoch == 0:
+                            seen_old[rows] = old_logp.cpu()
+                        info["loss"] = float(loss.detach()) / share if share else 0.0
+                    if self.critic is not None:
+                        loss, critic_info = self._value_loss(batch, rows, totals)
+                        (loss * weight).backward()
+                        info.update(critic_info)
+                        info["critic/vf_loss"] = float(loss.detach()) / share if share else 0.0
                     for key, value in info.items():
                         sums[key] = sums.get(key, 0.0) + value * share
-                grad_norm += float(self._optimizer_step())
-        self.scheduler.step()
+                if trains_actor:
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + self.optimizer.step()
+                if self.critic is not None:
+                    sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + self.critic_optimizer.step()
+        for optimizer in (self.optimizer if trains_actor else None, self.critic_optimizer):
+            if optimizer is not None:
+                optimizer.scheduler.step()
         steps = a.ppo_epochs * a.mini_batches
-        if self.dp is not None:  # each rank summed its share of every mini-batch
-            sums, seen_old = self.dp.sum_metrics(sums), self.dp.sum(seen_old)
+        if self.dp is not None:  # each rank summed its share of every mini-batch (the norms are the same on each)
+            norms = {key: sums.pop(key) for key in ("grad_norm", "critic/grad_norm") if key in sums}
+            sums, seen_old = {**self.dp.sum_metrics(sums), **norms}, self.dp.sum(seen_old)
         metrics = {key: value / steps for key, value in sums.items()}
-        metrics["grad_norm"] = grad_norm / steps
-        metrics.update(algorithms.rollout_mismatch(seen_old, batch.rollout_logp, batch.response_mask))
+        if trains_actor:
+            metrics.update(algorithms.rollout_mismatch(seen_old, batch.rollout_logp, batch.response_mask))
+        if self.critic is not None:
+            metrics.update(critic_metrics(batch, self.critic_optimizer.lr))
         return metrics
 
     def _loss(self, batch: Batch, rows: list[int], totals: dict) -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -162,13 +188,6 @@ class ActorUpdate:
         info["entropy"] = float((entropy.detach() * mask).sum() / tokens)
         return loss, info, old_logp
 
-    def _optimizer_step(self) -> torch.Tensor:
-        clip = self.config.actor.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable, clip if clip > 0 else math.inf)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded: the norm over all ranks
-
     def _micro_batches(self, batch: Batch, indices: list[int]) -> list[list[int] | None]:
         """This rank's micro-batches over its share of `indices` (token-bounded); with data parallelism padded with
         None to the count of the rank that has the most, so that every rank runs the same number of forwards."""
@@ -191,15 +210,43 @@ class ActorUpdate:
     def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
         temperature = self.config.rollout.temperature
-        values = torch.zeros(len(batch.prompts), batch.width)
         with self.policy.reference() if reference else contextlib.nullcontext(self.model) as model:
-            model.eval()
-            for micro in self._micro_batches(batch, list(range(len(batch.prompts)))):
-                rows = micro or [0]  # None: a forward for the collectives only
-                logp = response_logprobs(model, self._micro_batch(batch, rows), temperature=temperature)[0].cpu()
-                if micro:
-                    values[rows] = logp
+            return self._over_batch(batch, lambda micro: response_logprobs(model, micro, temperature=temperature)[0])
+
+    def _values(self, micro: MicroBatch) -> torch.Tensor:
+        with self.critic.selected() as model:
+            return response_values(model, micro, self.critic.head)
+
+    def _value_loss(self, batch: Batch, rows: list[int], totals: dict) -> tuple[torch.Tensor, dict]:
+        """One micro-batch's clipped value loss against the returns, aggregated as the policy loss is."""
+        on_device = {name: getattr(batch, name)[rows].to(self.device) for name in ("values", "returns", "loss_mask")}
+        values = self._values(self._micro_batch(batch, rows))
+        return algorithms.value_loss(values, on_device["values"], on_device["returns"], on_device["loss_mask"],
+                                     clip=self.config.critic.cliprange_value,
+                                     loss_agg_mode=self.config.algorithm.loss_agg_mode, **totals)  # fmt: skip
+
+    def _over_batch(self, batch: Batch, forward: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
+        """`[N, R]`: `forward` of every micro-batch of the whole batch in eval mode (each rank its share, summed)."""
+        values = torch.zeros(len(batch.prompts), batch.width)
+        self.model.eval()
+        for micro in self._micro_batches(batch, list(range(len(batch.prompts)))):
+            rows = micro or [0]  # None: a forward for the collectives only
+            computed = forward(self._micro_batch(batch, rows)).cpu()
+            if micro:
+                values[rows] = computed
         return self.dp.sum(values) if self.dp is not None else values
+
+
+def critic_metrics(batch: Batch, lr: float) -> dict:
+    """How well the critic's values (those of the rollout) predict the returns."""
+    mask = batch.loss_mask
+    tokens = mask.sum().clamp(min=1)
+    return {
+        "critic/values_mean": float((batch.values * mask).sum() / tokens),
+        "critic/returns_mean": float((batch.returns * mask).sum() / tokens),
+        "critic/vf_explained_var": algorithms.explained_variance(batch.values, batch.returns, mask),
+        "critic/lr": lr,
+    }
 
 
 def loss_options(a) -> dict:
@@ -207,17 +254,3 @@ def loss_options(a) -> dict:
     names = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "sapo_tau_pos",
              "sapo_tau_neg")  # fmt: skip
     return {name: getattr(a, name) for name in names}
-
-
-def lr_factor(warmup: int, total: int, schedule: str):
-    """The learning rate's multiplier at each optimizer step: linear warmup, then constant or cosine to 0."""
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "cosine":
-            progress = (step - warmup) / max(1, total - warmup)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return factor

@@ -1,7 +1,9 @@
 """Advantage estimators: one score per response in, per-token advantages `[N, R]` out (zero on masked tokens).
 
 Each estimator is a function registered under its config name (`algorithm.adv_estimator`); `advantages()` checks the
-inputs once and calls it with every option (`norm_std`, `gamma`, `eps`), which it takes by keyword or ignores (`**_`).
+inputs once and calls it with every option (`norm_std`, `gamma`, `lam`, `eps`), which it takes by keyword or ignores
+(`**_`). Estimators that need more say so by attributes: `needs_greedy_baseline` (each prompt's greedy score),
+`needs_values` (a critic's values; they take the per-token penalty as it is, the others see its sum per response).
 """
 
 from collections.abc import Callable
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorarl.trainer.algorithms.critic import last_token_rewards
+from lorarl.trainer.algorithms.critic import gae_returns, last_token_rewards
 from lorarl.trainer.registry import Registry
 
 AdvantageEstimator = Callable[..., Tensor]
@@ -26,12 +28,17 @@ def advantages(
     *,
     norm_std: bool = True,
     gamma: float = 1.0,
+    lam: float = 1.0,
     eps: float = 1e-6,
     baseline: Tensor | None = None,
+    values: Tensor | None = None,
+    token_penalty: Tensor | None = None,
 ) -> Tensor:
     """Per-token advantages `[N, R]` (zero on masked tokens) from one score per response (`rewards [N]`), by the
     estimator registered as `estimator`. `baseline` `[N]`: the score of the prompt's greedy response, for the
-    estimators that ask for it (`needs_greedy_baseline`, e.g. ReMax)."""
+    estimators that ask for it (`needs_greedy_baseline`, e.g. ReMax); `values` `[N, R]`: the critic's, for those that
+    need them (`needs_values`: GAE). `token_penalty` `[N, R]` is subtracted from the rewards (the KL with
+    `kl_in_reward`): per token where the estimator takes values, else summed per response."""
     fn = ADVANTAGES[estimator]
     mask = response_mask.bool()
     if rewards.dim() != 1 or group_index.shape != rewards.shape or mask.dim() != 2 or mask.shape[0] != rewards.numel():
@@ -42,10 +49,17 @@ def advantages(
     if getattr(fn, "needs_greedy_baseline", False) and (baseline is None or baseline.shape != rewards.shape):
         raise ValueError(f"{estimator} needs baseline [N] (each prompt's greedy score), got "
                          f"{None if baseline is None else tuple(baseline.shape)}")  # fmt: skip
-    options = {"norm_std": norm_std, "gamma": gamma, "eps": eps}
-    if baseline is not None:
-        options["baseline"] = baseline
-    return fn(rewards.to(torch.float32), group_index, mask, **options)
+    needs_values = getattr(fn, "needs_values", False)
+    if needs_values and (values is None or values.shape != mask.shape):
+        raise ValueError(f"{estimator} needs values [N, R] (a critic's), got "
+                         f"{None if values is None else tuple(values.shape)}")  # fmt: skip
+    rewards = rewards.to(torch.float32)
+    if token_penalty is not None and not needs_values:
+        rewards, token_penalty = rewards - (token_penalty * mask).sum(1), None
+    options = {"norm_std": norm_std, "gamma": gamma, "lam": lam, "eps": eps}
+    extra = {"baseline": baseline, "values": values, "token_penalty": token_penalty}
+    options.update({key: value for key, value in extra.items() if value is not None})
+    return fn(rewards, group_index, mask, **options)
 
 
 @dataclass(frozen=True)
@@ -183,3 +197,16 @@ def reinforce_pp_baseline(rewards: Tensor, group_index: Tensor, mask: Tensor, *,
     stats = group_stats(rewards, group_index)
     centred = torch.where(stats.size > 1, stats.centred(rewards), 0.0)  # a group of one: r - r
     return whiten(per_token(centred, mask), mask, eps)
+
+
+@register_advantage("gae")
+def gae(rewards: Tensor, group_index: Tensor, mask: Tensor, *, values: Tensor, gamma: float, lam: float, eps: float,
+        token_penalty: Tensor | None = None, **_) -> Tensor:  # fmt: skip
+    """PPO's GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+    Estimation") on a critic's values: the score on the last token minus the per-token penalty, whitened over the
+    batch's tokens (as verl's `compute_gae_advantage_return`)."""
+    advantages, _ = gae_returns(rewards, values, mask, gamma=gamma, lam=lam, token_penalty=token_penalty)
+    return whiten(advantages, mask, eps)
+
+
+gae.needs_values = True

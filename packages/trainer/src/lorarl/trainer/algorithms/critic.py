@@ -37,6 +37,16 @@ def gae(
     return advantages * mask, (advantages + values) * mask
 
 
+def gae_returns(rewards: Tensor, values: Tensor, response_mask: Tensor, *, gamma: float, lam: float,
+                token_penalty: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """GAE's advantages (unwhitened) and returns `[N, R]` for one score per response (`rewards [N]`, on its last token)
+    minus a per-token penalty (`token_penalty [N, R]`: the KL to the reference, with `kl_in_reward`)."""
+    token_rewards = last_token_rewards(rewards, response_mask)
+    if token_penalty is not None:
+        token_rewards = token_rewards - token_penalty * response_mask
+    return gae(token_rewards, values, response_mask, gamma=gamma, lam=lam)
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, *, clip: float | None,
                loss_agg_mode: str = "token-mean", **totals: float) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
     """½ · aggregate(max((V - G)², (clip(V, V_old ± clip) - G)²)) and its metrics (`vf_clipfrac`): PPO's clipped value
