@@ -35,6 +35,10 @@ def one_step(port: int, rank: int, world: int, setup: dict, output_dir: str, ext
     trainer.rollouts.collect = lambda step, version: (fixed_samples(), {})  # the same batch whatever the world size
     metrics = trainer.train_step(1)
     trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    if trainer.critic is not None:  # its adapter is among the model's; its value head is beside it
+        trainable.update({f"value_head.{name}": p for name, p in trainer.critic.head.named_parameters()})
+        trainer.save(1)  # gathers the critic's weights and optimizer state: a collective of every rank
     weights = {name: t.numpy() for name, t in full_state_dict(trainable).items()}
     keys = ("loss", "kl", "entropy", "grad_norm", "clipfrac", "approx_kl")
+    keys += tuple(k for k in metrics if k.startswith("critic/"))
     return {"weights": weights, "metrics": {k: metrics[k] for k in keys}}

@@ -8,8 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from dp_workers import one_step
 from peft import PeftModel
+from safetensors.torch import load_file
 from sync_processes import run_group
 from trainer_fixtures import tiny_overrides
 from transformers import AutoModelForCausalLM
@@ -23,25 +25,40 @@ SETTINGS = {
 }
 
 
-def run(world: int, setup: dict, output_dir) -> list[dict]:
-    fns = [functools.partial(one_step, world=world, setup=setup, output_dir=str(output_dir), extra=SETTINGS)] * world
+# PPO with a critic: its adapter sharded with the policy's, its value head sharded on its own, a second backward
+PPO = {**SETTINGS, "algorithm__adv_estimator": "gae", "critic__lora__rank": 4}
+
+
+def run(world: int, setup: dict, output_dir, settings: dict = SETTINGS) -> list[dict]:
+    fns = [functools.partial(one_step, world=world, setup=setup, output_dir=str(output_dir), extra=settings)] * world
     outcome = run_group(fns, join=False, deadline=300)
     for status, value in outcome.values():
         assert status == "ok", value
     return [outcome[rank][1] for rank in range(world)]
 
 
-def test_two_ranks_make_the_update_of_one(tiny_setup, tmp_path):
-    (single,) = run(1, tiny_setup, tmp_path / "one")
-    pair = run(2, tiny_setup, tmp_path / "two")
+# fp32 sums in another order; Adam's first steps (~lr·g/|g|) magnify that where g ~ 0: 2e-5 of lr 0.05. PPO's
+# advantages are whitened values of the critic, computed in another order too: the odd weight moves up to 1% of lr.
+@pytest.mark.parametrize(("settings", "atol"), [(SETTINGS, 2e-5), (PPO, 5e-4)], ids=["grpo", "ppo-with-a-critic"])
+def test_two_ranks_make_the_update_of_one(tiny_setup, tmp_path, settings, atol):
+    (single,) = run(1, tiny_setup, tmp_path / "one", settings)
+    pair = run(2, tiny_setup, tmp_path / "two", settings)
     for result in pair:  # both ranks hold the same gathered weights and report the same metrics
         assert result["weights"].keys() == single["weights"].keys()
         for name, value in single["weights"].items():
-            # fp32 sums in another order; Adam's first steps (~lr·sign(g)) magnify that where g ~ 0: 2e-5 of lr 0.05
-            np.testing.assert_allclose(result["weights"][name], value, rtol=1e-4, atol=2e-5, err_msg=name)
+            np.testing.assert_allclose(result["weights"][name], value, rtol=1e-4, atol=atol, err_msg=name)
         for key, value in single["metrics"].items():
             assert result["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     assert single["metrics"]["grad_norm"] > 0  # a real update happened
+    if settings is PPO:
+        assert single["metrics"]["critic/grad_norm"] > 0
+        assert any(".critic." in name for name in single["weights"])
+        saved = [tmp_path / world / "checkpoints" / "step_1" / "critic" for world in ("one", "two")]
+        for name in ("adapter_model.safetensors", "value_head.safetensors"):
+            one, two = (load_file(directory / name) for directory in saved)
+            assert one.keys() == two.keys()
+            for key in one:
+                torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=2e-5)
 
 
 def torchrun(setup: dict, out, **extra) -> subprocess.CompletedProcess:

@@ -198,7 +198,7 @@ def _from_response_states(model: nn.Module, micro: MicroBatch, per_token: Callab
     def forward(hidden: Tensor) -> Tensor:
         full = hidden if prefix is None else torch.cat([prefix, hidden], 1)
         scores.append(per_token(micro.align(full)[micro.mask]))
-        return hidden[..., :1]  # what the model's code after the head sees (a logit transform, say): not the scores
+        return scores[-1]  # also the model's output (FSDP hooks its backward there); a logit transform leaves ours
 
     with _head_replaced(head, forward):
         model(**micro.inputs, **cache)

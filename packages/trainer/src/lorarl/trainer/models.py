@@ -85,7 +85,7 @@ class Policy:
         if self.frozen_reference is not None:
             yield self.frozen_reference
         elif self.is_lora:
-            with self.model.disable_adapter():
+            with adapters(self.model, None):
                 yield self.model
         else:
             yield self.model
@@ -164,21 +164,28 @@ class Critic:
         """The critic's trainable weights: its adapter (or model) and the value head."""
         return parameters_named(self.model, self.trainable_names) + list(self.head.parameters())
 
-    @contextlib.contextmanager
     def selected(self):
-        """The model with the critic's adapter active (the policy's inactive) for the duration. Not peft's
-        `set_adapter`: it flips requires_grad flags, which must stay as they were when the model was sharded."""
-        if not self.shares_base:
-            yield self.model
-            return
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        """A context with the model's critic adapter active (the policy's inactive) for the duration."""
+        return adapters(self.model, [self.ADAPTER]) if self.shares_base else contextlib.nullcontext(self.model)
 
-        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
-        before = [m._active_adapter for m in layers]
-        for layer in layers:
-            layer._active_adapter = [self.ADAPTER]
-        try:
-            yield self.model
-        finally:
-            for layer, active in zip(layers, before, strict=True):
-                layer._active_adapter = active
+
+@contextlib.contextmanager
+def adapters(model: nn.Module, active: list[str] | None):
+    """`model`'s LoRA layers compute with the `active` adapters (None: none — the base alone) for the duration. Not
+    peft's `set_adapter`/`disable_adapter`: those flip requires_grad flags (an inactive adapter is frozen, and all are
+    on disabling), which the critic's adapter beside the policy's, and the parameters of a sharded model, must keep."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper  # modules_to_save
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
+    before = [(m._active_adapter, m._disable_adapters) for m in layers]
+    for layer in layers:
+        if active is None:
+            layer._disable_adapters = True
+        else:
+            layer._active_adapter = list(active)
+    try:
+        yield model
+    finally:
+        for layer, (names, disabled) in zip(layers, before, strict=True):
+            layer._active_adapter, layer._disable_adapters = names, disabled

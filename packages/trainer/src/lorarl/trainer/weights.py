@@ -10,6 +10,7 @@ from torch import nn
 
 from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
 from lorarl.trainer.engines import EngineError, RolloutEngine
+from lorarl.trainer.models import adapters
 from lorarl.trainer.parallel import DataParallel, full_state_dict
 from lorarl.weight_sync import SyncStats
 
@@ -31,7 +32,7 @@ class WeightSync:
         mode = mode or self.mode
         stats = None
         if mode == "base":
-            with self.model.disable_adapter():
+            with adapters(self.model, None):
                 return self.sync(version, mode="merged")
         if mode == "adapter":
             from peft import get_peft_model_state_dict
