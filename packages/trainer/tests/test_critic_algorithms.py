@@ -97,3 +97,40 @@ def test_explained_variance():
     assert explained_variance(constant, returns, mask) == pytest.approx(0.0, abs=1e-12)
     g, v = returns[mask], values[mask]
     assert explained_variance(values, returns, mask) == pytest.approx(float(1 - (g - v).var() / g.var()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_gae_estimator_whitens_gae_of_the_score_minus_the_per_token_penalty(seed):
+    """`adv_estimator=gae`: the score on each response's last token, the KL penalty on every token (verl's
+    token-level rewards with the KL in the reward), the recursion, then whitening over the valid tokens (unbiased std);
+    the other estimators see the penalty summed per response."""
+    from lorarl.trainer.algorithms import advantages
+
+    _, values, mask = inputs(seed, holes=False)
+    generator = torch.Generator().manual_seed(100 + seed)
+    scores = torch.rand(5, generator=generator)
+    penalty = torch.rand(5, 7, generator=generator) * 0.1
+    values = values.float()
+    out = advantages("gae", scores, torch.arange(5), mask, gamma=0.9, lam=0.8, values=values, token_penalty=penalty)
+    token_rewards = -penalty.double() * mask
+    for i in range(5):
+        valid = [t for t in range(7) if mask[i, t]]
+        if valid:
+            token_rewards[i, valid[-1]] += float(scores[i])
+    raw, _ = gae_reference(token_rewards, values.double(), mask, 0.9, 0.8)
+    flat = [float(raw[i, t]) for i in range(5) for t in range(7) if mask[i, t]]
+    mean = sum(flat) / len(flat)
+    std = (sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)) ** 0.5
+    expected = torch.where(mask, (raw - mean) / (std + 1e-6), 0.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    grpo_with = advantages("grpo", scores, torch.zeros(5, dtype=torch.long), mask, token_penalty=penalty)
+    grpo_summed = advantages("grpo", scores - (penalty * mask).sum(1), torch.zeros(5, dtype=torch.long), mask)
+    torch.testing.assert_close(grpo_with, grpo_summed)
+
+
+def test_the_gae_estimator_asks_for_values():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    from lorarl.trainer.algorithms import advantages
+
+    with pytest.raises(ValueError, match=r"gae needs values \[N, R\]"):
+        advantages("gae", torch.ones(2), torch.arange(2), mask)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lorarl.trainer import default_task
-from lorarl.trainer.config import CriticSection, LoraSection, ModelSection
 from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.schema import CriticSection, LoraSection, ModelSection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

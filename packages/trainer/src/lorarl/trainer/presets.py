@@ -30,6 +30,10 @@ PRESETS: dict[str, Preset] = {
         "Dr. GRPO (Liu et al. 2025): no std division, per-sequence sums over a constant length",
         {**_BASE, "adv_estimator": "drgrpo", "norm_std": False, "loss_agg_mode": "seq-mean-token-sum-norm"},
     ),
+    "ppo": Preset(
+        "PPO (Schulman et al. 2017) with a LoRA critic: GAE (gamma 1, lambda 1) on the critic's values, whitened",
+        {**_BASE, "adv_estimator": "gae", "gamma": 1.0, "lam": 1.0},
+    ),
     "rloo": Preset("RLOO (Ahmadian et al. 2024): leave-one-out baseline", {**_BASE, "adv_estimator": "rloo"}),
     "gpg": Preset(
         "GPG (Chu et al. 2025): group-centred advantages scaled by 1 / the share of non-zero rewards, plain PG",

@@ -1,0 +1,180 @@
+"""The configuration's schema: one dataclass per section, each key with its default, one-line meaning and accepted
+values (`option`). `config.py` loads and checks a configuration against it; `--help` prints it."""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from lorarl.trainer.algorithms import ADVANTAGES, AGG_MODES, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
+from lorarl.trainer.engines import ENGINES
+
+
+def option(default, help: str, choices: Iterable | None = None, *, minimum: float | None = None,
+           maximum: float | None = None):  # fmt: skip
+    """A key: its default, one-line meaning, and the values it accepts (choices — a tuple, or a registry whose names
+    are read when a config is checked, so that entries registered later count — or an inclusive range)."""
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class LoraSection:
+    rank: int = option(16, "LoRA rank; 0 = full fine-tuning")
+    alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank, or alpha / sqrt(rank) with rslora)")
+    target_modules: list[str] = option(["all-linear"], "modules that get adapters (peft names, or all-linear)")
+    exclude_modules: list[str] = option([], "modules never adapted (peft names or regex)")
+    dropout: float = option(0.0, "dropout on the adapter input")
+    rslora: bool = option(False, "rank-stabilised scaling alpha / sqrt(rank)")
+    adapter_path: str | None = option(None, "start from this saved peft adapter (its rank and alpha are used)")
+
+
+@dataclass
+class ModelSection:
+    path: str = option("default", "local Hugging Face causal-LM directory; 'default' = the embedded model")
+    dtype: str = option("float32", "training weights dtype", ("float32", "bfloat16", "float16"))
+    lora: LoraSection = field(default_factory=LoraSection)
+
+
+@dataclass
+class DataSection:
+    train_files: list[str] = option(["default"], "jsonl or parquet files of prompts; 'default' = the embedded task")
+    val_files: list[str] = option(["default"], "validation files (same format)")
+    prompt_key: str = option("prompt", "field holding the prompt")
+    answer_key: str = option("answer", "field holding the reference answer (given to the reward)")
+    batch_size: int = option(32, "prompts per step (each sampled rollout.n times)", minimum=1)
+    max_prompt_tokens: int = option(512, "longer prompts are dropped (and counted)")
+    chat_template: bool = option(True, "apply the tokenizer's chat template when it has one")
+    val_size: int = option(500, "validation prompts used per evaluation (0 = all)")
+
+
+@dataclass
+class RolloutSection:
+    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU) or vllm (GPU); see engines/", ENGINES)
+    n: int = option(8, "responses sampled per prompt (the GRPO group size)", minimum=1)
+    temperature: float = option(1.0, "sampling temperature")
+    top_p: float = option(1.0, "nucleus sampling threshold")
+    max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
+    sync: str = option("merged", "merged weights, the adapter alone (served unmerged), or auto (measure both once)",
+                       ("merged", "adapter", "auto"))  # fmt: skip
+    dtype: str = option("auto", "the engine's weights dtype; auto: bfloat16 for a float32 model where the device "
+                        "computes bfloat16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else model.dtype "
+                        "(the trainer recomputes log-probs in model.dtype either way)",
+                        ("auto", "float32", "bfloat16", "float16"))  # fmt: skip
+    bucket_mb: int = option(256, "weight-sync bucket size (MB)")
+    batch_size: int = option(256, "sequences the hf engine generates at once")
+    tensor_parallel_size: int = option(1, "GPUs per vllm engine (its workers shard the received weights)", minimum=1)
+    gpu_memory_utilization: float = option(0.5, "share of each engine GPU vllm may use", minimum=0.05, maximum=1.0)
+    max_model_len: int | None = option(None, "vllm context length (None: the model's)")
+    devices: str | None = option(None, "GPUs of a local vllm engine (CUDA_VISIBLE_DEVICES); None = colocated")
+    worker: str = option("inline", "where the engine runs: in the trainer's process (weights copied in, no second "
+                         "copy of the libraries; vllm: colocated on the trainer's GPUs) or a process of its own (fed "
+                         "over gloo/NCCL; needed by overlap; implied by rollout.devices)",
+                         ("inline", "process"))  # fmt: skip
+    overlap: bool = option(False, "generate the next batch while training on this one: one step off-policy (its "
+                           "rollouts come from the weights one update behind), corrected by "
+                           "algorithm.rollout_correction")  # fmt: skip
+    replicas: int = option(1, "rollout engine replicas, prompts spread across them (> 1 needs trainer.backend=ray)",
+                           minimum=1)  # fmt: skip
+
+
+@dataclass
+class AlgorithmSection:
+    name: str = option("grpo", "preset this section started from")
+    adv_estimator: str = option("grpo", "advantage estimator (algorithms/advantages.py)", ADVANTAGES)
+    norm_std: bool = option(True, "divide group-centred rewards by the group's std (grpo)")
+    gamma: float = option(1.0, "discount along the response (reinforce_pp, gae)")
+    lam: float = option(1.0, "GAE's lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD (gae)",
+                        minimum=0.0, maximum=1.0)  # fmt: skip
+    policy_loss: str = option("ppo", "policy loss (algorithms/policy_losses.py)", POLICY_LOSSES)
+    clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low)", minimum=0.0, maximum=1.0)
+    clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)", minimum=0.0)
+    dual_clip: float | None = option(None, "dual-clip bound c > 1 for negative advantages (None = off)")
+    loss_agg_mode: str = option("token-mean", "loss aggregation", AGG_MODES)
+    kl_coef: float = option(0.0, "weight of the KL to the reference policy (0 = off)")
+    kl_estimator: str = option("k3", "KL estimator (algorithms/kl.py)", KL_ESTIMATORS)
+    kl_in_reward: bool = option(False, "subtract the KL from the reward instead of adding a loss term")
+    entropy_coef: float = option(0.0, "entropy bonus weight")
+    ppo_epochs: int = option(1, "passes over each rollout batch", minimum=1)
+    mini_batches: int = option(1, "optimizer steps per pass", minimum=1)
+    dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards all agree, sample more prompts to refill")
+    max_sampling_rounds: int = option(10, "dynamic sampling: most generation rounds per step", minimum=1)
+    overlong_buffer_frac: float = option(
+        0.0, "DAPO overlong penalty ramp, as a share of rollout.max_tokens (0 = off)", minimum=0.0, maximum=1.0
+    )
+    overlong_penalty: float = option(1.0, "overlong shaping: the penalty at rollout.max_tokens")
+    mask_truncated: bool = option(False, "responses cut at rollout.max_tokens get no loss (DAPO's overlong filtering)")
+    rollout_correction: str = option("none", "against the engine's mismatch: truncated IS weights (token, sequence), "
+                                     "or masking tokens / rejecting sequences outside rollout_correction_band",
+                                     ("none", *IS_LEVELS))  # fmt: skip
+    rollout_correction_cap: float = option(2.0, "truncation cap of the rollout-correction weights", minimum=1.0)
+    rollout_correction_band: list[float] = option([0.5, 2.0], "[low, high] of the ratio kept by token_mask and "
+                                                  "sequence_reject")  # fmt: skip
+    clip_cov_ratio: float = option(2e-4, "clip_cov: share of tokens whose gradient is cut", minimum=0.0)
+    clip_cov_lb: float = option(1.0, "clip_cov: lowest covariance cut")
+    clip_cov_ub: float = option(5.0, "clip_cov: highest covariance cut")
+    kl_cov_ratio: float = option(2e-4, "kl_cov: share of tokens with the KL penalty", minimum=0.0)
+    kl_cov_coef: float = option(1.0, "kl_cov: weight of its |log ratio| penalty")
+    sapo_tau_pos: float = option(1.0, "sapo: gate temperature for positive advantages", minimum=1e-6)
+    sapo_tau_neg: float = option(1.05, "sapo: gate temperature for negative advantages", minimum=1e-6)
+
+
+@dataclass
+class ActorSection:
+    lr: float = option(1e-3, "peak learning rate (LoRA wants ~10x a full fine-tune's)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient norm clip (0 = off)")
+    warmup_steps: int = option(0, "linear warmup steps")
+    lr_schedule: str = option("constant", "after warmup", ("constant", "cosine"))
+    micro_batch_tokens: int = option(4096, "tokens per forward/backward, pads included (gradient accumulation "
+                                     "beyond): bounds the activations' memory", minimum=1)  # fmt: skip
+    layout: str = option("auto", "micro-batch layout: packed rows (for flash-attention's varlen kernel) or padded "
+                         "rows of similar lengths; auto picks by the attention kernel",
+                         ("auto", "packed", "padded"))  # fmt: skip
+
+
+@dataclass
+class CriticSection:
+    """The value model of estimators that use one (`algorithm.adv_estimator=gae`): a second adapter on the policy's
+    base, or its own copy of the base when either is fully fine-tuned (rank 0), and a value head."""
+
+    lora: LoraSection = field(default_factory=LoraSection)
+    lr: float = option(3e-3, "learning rate of the critic's adapter and value head", minimum=0.0)
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient norm clip (0 = off)")
+    warmup_steps: int = option(0, "first steps that train the critic alone (verl's critic_warmup)", minimum=0)
+    cliprange_value: float | None = option(0.5, "value-loss clip around the rollout's values (None = unclipped)")
+
+
+@dataclass
+class RewardSection:
+    fn: str = option("default", "built-in (default, math) or package.module:function or path/to/file.py:function")
+
+
+@dataclass
+class TrainerSection:
+    steps: int = option(120, "optimizer steps (rollout batches)", minimum=0)
+    eval_every: int = option(10, "validate (greedy) every so many steps, and at the start and end; 0 = never")
+    save_every: int = option(0, "checkpoint every so many steps (always at the end); 0 = only at the end")
+    output_dir: str | None = option(None, "where outputs go (default: outputs/<date-time>)")
+    seed: int = option(0, "seed for data order, sampling and initialisation")
+    resume: str = option("never", "never, auto (latest checkpoint in output_dir) or a checkpoint directory")
+    device: str = option("auto", "auto, cpu or cuda")
+    backend: str = option("local", "local (engine in a child process) or ray (engines as Ray actors)", ("local", "ray"))
+    n_gpus_per_node: int = option(1, "trainer ranks per node with backend=ray (a GPU each; processes on CPU)",
+                                  minimum=1)  # fmt: skip
+    nnodes: int = option(1, "nodes of trainer ranks with backend=ray (data-parallel size: n_gpus_per_node x nnodes)",
+                         minimum=1)  # fmt: skip
+    ray_address: str | None = option(None, "Ray cluster to join (e.g. auto, or host:6379); None = start a local one")
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    actor: ActorSection = field(default_factory=ActorSection)
+    critic: CriticSection = field(default_factory=CriticSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
