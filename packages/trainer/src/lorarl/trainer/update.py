@@ -2,6 +2,7 @@
 (gradient accumulation bounded by tokens), each micro-batch's loss composed from the configured algorithm."""
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from lorarl.trainer.models import Critic, Policy
 from lorarl.trainer.optim import Optimizer
 from lorarl.trainer.parallel import DataParallel
 from lorarl.trainer.rollout import Sample, step_seed
+from lorarl.trainer.schema import AlgorithmSection
 
 
 @dataclass
@@ -249,8 +251,9 @@ def critic_metrics(batch: Batch, lr: float) -> dict:
     }
 
 
-def loss_options(a) -> dict:
-    """The `algorithm` keys the registered policy losses take besides the clip range."""
-    names = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "sapo_tau_pos",
-             "sapo_tau_neg")  # fmt: skip
-    return {name: getattr(a, name) for name in names}
+def loss_options(a: AlgorithmSection) -> dict:
+    """The `algorithm` keys the configured policy loss takes by name besides the clip range (`clip_cov_ratio`, ...),
+    read from its signature: a registered loss with a new key needs the key in the schema and nothing else."""
+    taken = inspect.signature(algorithms.POLICY_LOSSES[a.policy_loss]).parameters
+    given = {"clip_low", "clip_high", "dual_clip"}  # `policy_loss` passes these to every loss
+    return {name: getattr(a, name) for name in taken if name not in given and hasattr(a, name)}
