@@ -127,7 +127,7 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtyp
     from lorarl.trainer.models import load_tokenizer
 
     rows = data.read_rows(["default"], default_file="train.jsonl")
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    dataset = Dataset.from_list([{"prompt": r.fields["prompt"], "answer": r.fields["answer"]} for r in rows])
 
     def reward(prompts, completions, answer, **_) -> list[float]:
         return [default_task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]

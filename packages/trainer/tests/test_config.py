@@ -62,6 +62,25 @@ def test_a_preset_in_the_file_then_the_file_then_the_command_line(tmp_path):
         (["rollout.n=0"], "rollout.n=0: expected a value >= 1"),
         (["algorithm.overlong_buffer_frac=1.5"], "algorithm.overlong_buffer_frac=1.5: expected a value in [0.0, 1.0]"),
         (["algorithm.rollout_correction=seq"], "expected one of none, token, sequence"),
+        # rules across keys
+        (["actor.lr=0"], "actor.lr=0.0: expected a value > 0"),
+        (
+            ["algorithm.adv_estimator=gae", "critic.lr=0"],
+            "critic.lr=0.0: expected a value > 0 (adv_estimator=gae trains a critic)",
+        ),
+        (["rollout.n=1"], "rollout.n=1: algorithm.adv_estimator=grpo compares the responses to a prompt"),
+        (["rollout.n=1", "algorithm.adv_estimator=rloo"], "algorithm.adv_estimator=rloo compares"),
+        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip=0.5: expected a bound > 1"),
+        (["algorithm.overlong_buffer_frac=1.0"], "a buffer of 8 tokens: the overlong penalty would hit every"),
+        (
+            ["rollout.max_tokens=1", "algorithm.overlong_buffer_frac=0.2"],
+            "overlong_buffer_frac=0.2 of rollout.max_tokens=1",
+        ),
+        (["rollout.top_p=0"], "expected 0 < top_p <= 1"),
+        (["algorithm.mini_batches=1000"], "algorithm.mini_batches=1000: more than the 256 responses"),
+        (["reward.fn=math", "reward.fns=[math]"], "set one (reward.fns replaces reward.fn)"),
+        (["reward.fns=[math,default]", "reward.weights=[1.0]"], "expected one weight per reward function (2)"),
+        (["reward.timeout_s=5"], "reward.timeout_s=5.0 needs reward.workers >= 1"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

@@ -220,8 +220,6 @@ def test_masking_modes_train_and_report_the_share_kept(tiny_setup, tmp_path, mod
 
 
 def test_remax_rollouts_carry_each_prompts_greedy_score(tiny_setup, tmp_path):
-    from lorarl.trainer import rewards
-
     trainer = Trainer(load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", algorithm__adv_estimator="remax"),
                                   presets=PRESETS))  # fmt: skip
     engine = trainer.start_engine()
@@ -232,8 +230,8 @@ def test_remax_rollouts_carry_each_prompts_greedy_score(tiny_setup, tmp_path):
         greedy = engine.generate([list(p) for p in prompts], n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
         texts = trainer.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
         examples = {tuple(e.prompt_ids): e for e in trainer.rollouts.examples}
-        scores = rewards.score(trainer.reward_fn, [examples[p].prompt for p in prompts], texts,
-                               [examples[p].answer for p in prompts])  # fmt: skip
+        fn = trainer.reward.fns[0]
+        scores = [fn(examples[p].prompt, text, examples[p].answer) for p, text in zip(prompts, texts, strict=True)]
         expected = dict(zip(prompts, scores, strict=True))
         assert all(s.baseline == expected[tuple(s.prompt_ids)] for s in samples)
         assert "loss" in trainer.train_step(2)  # the step takes its baselines through to the estimator

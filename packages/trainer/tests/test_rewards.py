@@ -1,10 +1,24 @@
-"""Answer extraction and built-in rewards; user functions by module or by file."""
+"""Answer extraction and built-in rewards; user functions by module or by file, in lorarl's, TRL's and verl's
+signatures, weighted; failures reported with their sample or scored; slow rewards in a pool with a timeout."""
+
+import time
 
 import pytest
 
 from lorarl.trainer import default_task
+from lorarl.trainer.config import load_config
 from lorarl.trainer.errors import TrainerError
-from lorarl.trainer.rewards import equivalent, extract_answer, load_reward, math_exact, score
+from lorarl.trainer.rewards import (
+    Response,
+    RewardError,
+    Rewards,
+    call,
+    equivalent,
+    extract_answer,
+    load_reward,
+    math_exact,
+    style,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -54,12 +68,114 @@ def test_user_functions_by_module_and_by_file(tmp_path):
         load_reward("nonsense")
 
 
-def test_score_reports_the_failing_sample():
+def responses(*texts: str, prompt="p", columns=None) -> list[Response]:
+    return [Response(prompt, text, "a", dict(columns or {}), (i,)) for i, text in enumerate(texts)]
+
+
+def test_a_failure_is_reported_with_its_sample():
     def broken(prompt, response, answer):
         return 1 / 0 if response == "bad" else 1.0
 
-    with pytest.raises(TrainerError, match=r"ZeroDivisionError.*sample 1.*response='bad'"):
-        score(broken, ["p0", "p1"], ["ok", "bad"], ["a", "a"])
-    with pytest.raises(TrainerError, match="not a number"):
-        score(lambda p, r, a: "yes", ["p"], ["r"], ["a"])
-    assert score(lambda p, r, a: True, ["p"], ["r"], ["a"]) == [1.0]
+    with pytest.raises(RewardError, match=r"raised ZeroDivisionError.*response='bad'"):
+        call(broken, responses("ok", "bad"))
+    with pytest.raises(TrainerError, match="returned 'yes', not a number"):
+        call(lambda p, r, a: "yes", responses("r"))
+    assert call(lambda p, r, a: True, responses("r")) == [1.0]
+
+
+def test_trl_reward_functions_run_as_written():
+    """TRL's signature: prompts and completions batched, dataset columns as keyword lists, None = no score; chat
+    prompts get their completions as assistant messages (as TRL passes them)."""
+    seen = {}
+
+    def accuracy_reward(prompts, completions, solution, **kwargs):
+        seen.update(prompts=prompts, completions=completions, solution=solution, **kwargs)
+        return [None if c == "skip" else float(c == s) for c, s in zip(completions, solution, strict=True)]
+
+    assert style(accuracy_reward) == "trl"
+    batch = [Response("1+1", c, "2", {"solution": s, "level": 3}, (7, 8)) for c, s in [("2", "2"), ("3", "2"),
+                                                                                    ("skip", "2")]]  # fmt: skip
+    assert call(accuracy_reward, batch) == [1.0, 0.0, None]
+    assert seen == {"prompts": ["1+1"] * 3, "completions": ["2", "3", "skip"], "solution": ["2"] * 3,
+                    "level": [3] * 3, "completion_ids": [[7, 8]] * 3}  # fmt: skip
+
+    def format_reward(prompts, completions):  # no **kwargs: gets only what it names
+        return [float(c[0]["content"].startswith("<think>")) for c in completions]
+
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    assert call(format_reward, [Response(chat, "<think>x", "a", {}), Response(chat, "no", "a", {})]) == [1.0, 0.0]
+    with pytest.raises(RewardError, match="returned 1 scores for 2 completions"):
+        call(lambda prompts, completions: [1.0], responses("a", "b"))
+
+
+def test_verl_compute_score_runs_as_written():
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        bonus = extra_info["bonus"] if extra_info else 0.0
+        return {"score": float(solution_str == ground_truth) + bonus, "acc": data_source}
+
+    assert style(compute_score) == "verl"
+    batch = [Response("p", "a", "a", {"data_source": "gsm8k", "extra_info": {"bonus": 0.5}}),
+             Response("p", "b", "a", {"data_source": "gsm8k"})]  # fmt: skip
+    assert call(compute_score, batch) == [1.5, 0.0]
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(
+        "import signal, time\n"
+        "def exact(prompt, response, answer):\n    return float(response == answer)\n"
+        "def length(prompts, completions, **kwargs):\n"
+        "    return [None if c == 'none' else len(c) / 10 for c in completions]\n"
+        "def flaky(prompt, response, answer):\n"
+        "    if response == 'boom':\n        raise RuntimeError('boom')\n"
+        "    if response == 'slow':\n        time.sleep(60)\n"
+        "    if response == 'stuck':  # where no timer reaches: the pool has to kill it\n"
+        "        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n        time.sleep(60)\n"
+        "    return 1.0\n"
+    )
+    return path
+
+
+def rewards_from(overrides: list[str]) -> Rewards:
+    return Rewards(load_config(None, overrides).reward)
+
+
+def test_several_functions_are_weighted_and_logged_each(reward_file):
+    reward = rewards_from([f"reward.fns=[{reward_file}:exact,{reward_file}:length]", "reward.weights=[2.0,0.5]"])
+    batch = [Response("p", text, "abcd", {}) for text in ("abcd", "ab", "none")]
+    scores = reward.score(batch)
+    expected = [2.0 * float(t == "abcd") + (0.0 if t == "none" else 0.5 * len(t) / 10) for t in ("abcd", "ab", "none")]
+    assert [s.total for s in scores] == pytest.approx(expected)
+    assert [s.parts for s in scores] == [(1.0, 0.4), (0.0, 0.2), (0.0, None)]
+    assert reward.metrics(scores) == pytest.approx({"reward/fn/exact": 1 / 3, "reward/fn/length": 0.3})
+
+
+def test_a_failure_is_scored_as_configured(reward_file):
+    batch = [Response("p", text, "a", {}) for text in ("fine", "boom", "fine")]
+    with pytest.raises(RewardError, match=r"raised RuntimeError: boom on: prompt='p', response='boom'"):
+        rewards_from([f"reward.fn={reward_file}:flaky"]).score(batch)
+    reward = rewards_from([f"reward.fn={reward_file}:flaky", "reward.on_error=score", "reward.error_score=-1"])
+    scores = reward.score(batch)
+    assert [s.total for s in scores] == [1.0, -1.0, 1.0]
+    assert reward.metrics(scores) == {"reward/errors": 1}
+
+
+def test_a_pool_scores_slow_rewards_and_stops_those_past_the_timeout(reward_file):
+    reward = rewards_from([f"reward.fn={reward_file}:flaky", "reward.workers=2", "reward.timeout_s=1",
+                           "reward.on_error=score", "reward.error_score=-1"])  # fmt: skip
+    try:
+        started = time.perf_counter()
+        scores = reward.score([Response("p", t, "a", {}) for t in ("fine", "slow", "boom", "stuck", "fine")])
+        elapsed = time.perf_counter() - started
+        assert [s.total for s in scores] == [1.0, -1.0, -1.0, -1.0, 1.0]
+        assert elapsed < 20  # the sleeps were 60 s: the timer stopped one, the pool's deadline the other
+        assert [s.total for s in reward.score([Response("p", "fine", "a", {})])] == [1.0]  # a fresh pool after a kill
+    finally:
+        reward.close()
+    strict = rewards_from([f"reward.fn={reward_file}:flaky", "reward.workers=1", "reward.timeout_s=1"])
+    try:
+        with pytest.raises(RewardError, match=r"raised TimeoutError: timed out after 1.0 s on: .*response='slow'"):
+            strict.score([Response("p", "slow", "a", {})])
+    finally:
+        strict.close()

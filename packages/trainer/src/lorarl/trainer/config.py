@@ -52,6 +52,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), prese
         raise ConfigError(f"{key}: {e.msg.splitlines()[0]} (expected {_type_name(_field_type(key))})") from None
     config = OmegaConf.to_object(merged)
     _check_values(config)
+    _check_rules(config)
     return config
 
 
@@ -150,3 +151,41 @@ def _resolve(config: Config, dotted: str):
     for part in dotted.split("."):
         config = getattr(config, part)
     return config
+
+
+def _check_rules(config: Config) -> None:
+    """Rules across keys (or stricter than a range) that users trip over, each naming its keys."""
+    from lorarl.trainer.algorithms import ADVANTAGES, overlong_buffer
+
+    a, r, w = config.algorithm, config.rollout, config.reward
+    estimator = ADVANTAGES[a.adv_estimator]
+    if config.actor.lr <= 0:
+        raise ConfigError(f"actor.lr={config.actor.lr}: expected a value > 0")
+    if getattr(estimator, "needs_values", False) and config.critic.lr <= 0:
+        raise ConfigError(f"critic.lr={config.critic.lr}: expected a value > 0 (adv_estimator={a.adv_estimator} "
+                          "trains a critic)")  # fmt: skip
+    if getattr(estimator, "compares_groups", False) and r.n < 2:
+        raise ConfigError(f"rollout.n={r.n}: algorithm.adv_estimator={a.adv_estimator} compares the responses to a "
+                          "prompt, so it needs rollout.n >= 2 (with one, every advantage is 0 or the raw reward); "
+                          "or choose an estimator without groups: reinforce_pp, remax, gae")  # fmt: skip
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip}: expected a bound > 1 (or null: off)")
+    buffer = overlong_buffer(a.overlong_buffer_frac, r.max_tokens)
+    if a.overlong_buffer_frac > 0 and buffer >= r.max_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac} of rollout.max_tokens="
+                          f"{r.max_tokens} is a buffer of {buffer} tokens: the overlong penalty would hit every "
+                          "response (expected a buffer shorter than max_tokens)")  # fmt: skip
+    if not 0 < r.top_p <= 1 or r.temperature < 0:
+        raise ConfigError(f"rollout.top_p={r.top_p}, rollout.temperature={r.temperature}: expected 0 < top_p <= 1 "
+                          "and temperature >= 0")  # fmt: skip
+    if a.mini_batches > config.data.batch_size * r.n:
+        raise ConfigError(f"algorithm.mini_batches={a.mini_batches}: more than the {config.data.batch_size * r.n} "
+                          "responses of a step (data.batch_size x rollout.n)")  # fmt: skip
+    if w.fns and w.fn != "default":
+        raise ConfigError(f"reward.fn={w.fn!r} and reward.fns={w.fns}: set one (reward.fns replaces reward.fn)")
+    if w.weights and len(w.weights) != len(w.fns or [w.fn]):
+        raise ConfigError(f"reward.weights={w.weights}: expected one weight per reward function "
+                          f"({len(w.fns or [w.fn])})")  # fmt: skip
+    if w.timeout_s and not w.workers:
+        raise ConfigError(f"reward.timeout_s={w.timeout_s} needs reward.workers >= 1 (a call is stopped in a worker "
+                          "process)")  # fmt: skip

@@ -1,8 +1,16 @@
-"""Prompt datasets: jsonl or parquet rows with a prompt and an answer, tokenized once, shuffled per epoch."""
+"""Prompt datasets as verl and TRL users keep them, tokenized once, shuffled per epoch.
 
+Files: JSON lines (`.jsonl`, or `.json`: lines or one array), `.parquet`, `.csv`, a directory written by HF
+`datasets`' `save_to_disk` (one split), and glob patterns of those (`data/train-*.parquet`, as `load_dataset`'s
+`data_files`). A prompt is text or a list of chat messages (verl's `prompt` column); the answer is `data.answer_key`
+— by default `answer`, else verl's `reward_model.ground_truth`. Every other column travels with the example to the
+reward functions (verl's `data_source` and `extra_info`, TRL's dataset columns).
+"""
+
+import glob
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -10,60 +18,165 @@ import torch
 from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
 
+AUTO_ANSWER = ("answer", "reward_model.ground_truth")  # data.answer_key=auto tries these in order
+
+
+@dataclass(frozen=True)
+class Row:
+    where: str  # file and line (or row) counted from 1, for error messages
+    fields: dict
+
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str
+    prompt: str | list[dict]  # as in the data: text, or chat messages
     answer: str
     prompt_ids: tuple[int, ...]
+    columns: dict = field(default_factory=dict)  # the row's other fields (data_source, extra_info, ...)
 
 
-def read_rows(files: list[str], *, default_file: str) -> list[dict]:
+def read_rows(files: list[str], *, default_file: str) -> list[Row]:
     """Rows of every file, in order. `default` names the embedded task's file `default_file`."""
-    rows: list[dict] = []
+    rows: list[Row] = []
     for name in files:
-        path = default_task.MODEL_DIR / default_file if name == "default" else Path(name)
-        if not path.is_file():
-            raise TrainerError(f"data file {path} not found")
-        if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            rows += pq.read_table(path).to_pylist()
-        elif path.suffix in (".jsonl", ".json"):
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise TrainerError(f"{path}:{number} is not valid JSON: {e}") from None
-        else:
-            raise TrainerError(f"data file {path}: expected .jsonl or .parquet")
+        paths = [default_task.MODEL_DIR / default_file] if name == "default" else _expand(name)
+        for path in paths:
+            rows += _read(path)
     return rows
 
 
-def build_examples(
-    rows: list[dict], tokenizer, *, prompt_key: str, answer_key: str, max_prompt_tokens: int, chat_template: bool
-) -> tuple[list[Example], int]:
-    """Tokenized examples, and how many were dropped for prompts longer than `max_prompt_tokens`."""
-    use_template = chat_template and getattr(tokenizer, "chat_template", None)
+def _expand(name: str) -> list[Path]:
+    if any(c in name for c in "*?["):
+        found = sorted(Path(p) for p in glob.glob(name, recursive=True))
+        if not found:
+            raise TrainerError(f"data file pattern {name!r} matches no file")
+        return found
+    path = Path(name)
+    if not path.exists():
+        raise TrainerError(f"data file {path} not found")
+    return [path]
+
+
+def _read(path: Path) -> list[Row]:
+    if path.is_dir():
+        return _read_saved_dataset(path)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        text = path.read_text()
+        if suffix == ".json" and text.lstrip().startswith("["):
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TrainerError(f"{path} is not valid JSON: {e}") from None
+            return [Row(f"{path} item {i}", _record(item, f"{path} item {i}")) for i, item in enumerate(items, 1)]
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(Row(f"{path}:{number}", _record(json.loads(line), f"{path}:{number}")))
+                except json.JSONDecodeError as e:
+                    raise TrainerError(f"{path}:{number} is not valid JSON: {e}") from None
+        return rows
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return _table_rows(pq.read_table(path), path)
+    if suffix == ".csv":
+        import pyarrow.csv
+
+        return _table_rows(pyarrow.csv.read_csv(path), path)
+    raise TrainerError(f"data file {path}: expected .jsonl, .json, .parquet, .csv or a `datasets` directory")
+
+
+def _read_saved_dataset(path: Path) -> list[Row]:
+    """A directory written by `datasets.Dataset.save_to_disk`: its Arrow stream files, read with pyarrow."""
+    import pyarrow as pa
+
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise TrainerError(f"{path} holds a DatasetDict: name one of its splits, e.g. "
+                           f"{', '.join(str(path / s) for s in splits)}")  # fmt: skip
+    state = path / "state.json"
+    if not state.is_file():
+        raise TrainerError(f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json)")
+    files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    tables = []
+    for file in files:
+        with pa.memory_map(str(file)) as source:
+            tables.append(pa.ipc.open_stream(source).read_all())
+    return _table_rows(pa.concat_tables(tables), path)
+
+
+def _table_rows(table, path: Path) -> list[Row]:
+    return [Row(f"{path} row {i}", fields) for i, fields in enumerate(table.to_pylist(), 1)]
+
+
+def _record(item, where: str) -> dict:
+    if not isinstance(item, dict):
+        raise TrainerError(f"{where}: expected an object of fields, got {type(item).__name__}")
+    return item
+
+
+def lookup(fields: dict, key: str):
+    """`fields[key]`, following dots into nested objects (`reward_model.ground_truth`); KeyError when absent."""
+    value = fields
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(key)
+        value = value[part]
+    return value
+
+
+def build_examples(rows: list[Row], tokenizer, *, prompt_key: str, answer_key: str, max_prompt_tokens: int,
+                   chat_template: bool, system_prompt: str | None = None) -> tuple[list[Example], int]:  # fmt: skip
+    """Tokenized examples, and how many were dropped for prompts longer than `max_prompt_tokens`. A chat prompt goes
+    through the tokenizer's chat template; `system_prompt` (not None) replaces its system message."""
+    use_template = bool(chat_template and getattr(tokenizer, "chat_template", None))
+    answer_keys = AUTO_ANSWER if answer_key == "auto" else (answer_key,)
     examples, dropped = [], 0
-    for i, row in enumerate(rows):
-        if prompt_key not in row or answer_key not in row:
-            raise TrainerError(f"row {i} lacks {prompt_key!r} or {answer_key!r} (it has {sorted(row)}); "
-                               "set data.prompt_key / data.answer_key")  # fmt: skip
-        prompt = str(row[prompt_key])
-        if use_template:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
-        else:
-            ids = tokenizer(prompt)["input_ids"]
+    for row in rows:
+        try:
+            prompt = lookup(row.fields, prompt_key)
+        except KeyError:
+            raise TrainerError(f"{row.where}: no {prompt_key!r} (it has {sorted(row.fields)}); set "
+                               "data.prompt_key") from None  # fmt: skip
+        answer = _first(row, answer_keys)
+        ids = _prompt_ids(prompt, tokenizer, use_template, system_prompt, row.where)
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue
-        examples.append(Example(prompt, str(row[answer_key]), tuple(ids)))
+        columns = {k: v for k, v in row.fields.items() if k != prompt_key}
+        examples.append(Example(prompt, str(answer), tuple(ids), columns))
     return examples, dropped
+
+
+def _first(row: Row, keys: tuple[str, ...]):
+    for key in keys:
+        try:
+            return lookup(row.fields, key)
+        except KeyError:
+            continue
+    raise TrainerError(f"{row.where}: no {' or '.join(map(repr, keys))} (it has {sorted(row.fields)}); set "
+                       "data.answer_key")  # fmt: skip
+
+
+def _prompt_ids(prompt, tokenizer, use_template: bool, system_prompt: str | None, where: str) -> list[int]:
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise TrainerError(f"{where}: the prompt must be text or a list of {{role, content}} messages, got "
+                           f"{type(prompt).__name__}")  # fmt: skip
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [m for m in messages if m["role"] != "system"]
+    if not use_template:
+        if len(messages) > 1 or not isinstance(prompt, str):
+            raise TrainerError(f"{where}: a chat prompt (messages, or data.system_prompt) needs the tokenizer's "
+                               "chat template (it has none, or data.chat_template=false)")  # fmt: skip
+        return tokenizer(prompt)["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
 
 
 class PromptSampler:

@@ -64,9 +64,9 @@ class Trainer:
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
-        self.reward_fn = rewards.load_reward(config.reward.fn)
+        self.reward = rewards.Rewards(config.reward)
         sampler = data.PromptSampler(len(train_set), config.data.batch_size, t.seed)
-        self.rollouts = Rollouts(config, train_set, sampler, self.tokenizer, self.reward_fn)
+        self.rollouts = Rollouts(config, train_set, sampler, self.tokenizer, self.reward)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip
         self.start_step = self._resume(resume_from)
@@ -153,6 +153,7 @@ class Trainer:
                         self.save(step)
         finally:
             self.engine.close()
+            self.reward.close()
             log.close()
         plots = plot(log.path, self.output_dir / "plots")
         result = summary(log.path, first_eval)
@@ -196,7 +197,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Greedy answers to the validation prompts: mean reward and accuracy."""
-        return evaluate(self.engine, self.val_set, self.tokenizer, self.reward_fn,
+        return evaluate(self.engine, self.val_set, self.tokenizer, self.reward,
                         max_tokens=self.config.rollout.max_tokens, version=self.weights.version)  # fmt: skip
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
@@ -248,7 +249,8 @@ class Trainer:
         rows = data.read_rows(files, default_file=default_file)
         examples, dropped = data.build_examples(rows, self.tokenizer, prompt_key=d.prompt_key,
                                                 answer_key=d.answer_key, max_prompt_tokens=d.max_prompt_tokens,
-                                                chat_template=d.chat_template)  # fmt: skip
+                                                chat_template=d.chat_template,
+                                                system_prompt=d.system_prompt)  # fmt: skip
         if not examples:
             raise TrainerError(f"no usable prompts in {files}: {len(rows)} rows, {dropped} longer than "
                                f"data.max_prompt_tokens={d.max_prompt_tokens}")  # fmt: skip

@@ -23,15 +23,16 @@ class Sample:
     score: float
     reward: float
     baseline: float | None = None  # the score of the prompt's greedy response (estimators that ask for one)
+    parts: rewards.Score | None = None  # the reward functions' own scores
 
 
 class Rollouts:
     """Draws the training prompts (`sampler`), has `engine` answer them `rollout.n` times, scores the answers."""
 
     def __init__(self, config: Config, examples: list[data.Example], sampler: data.PromptSampler, tokenizer,
-                 reward_fn: Callable) -> None:  # fmt: skip
+                 reward: rewards.Rewards) -> None:  # fmt: skip
         self.config, self.examples, self.sampler = config, examples, sampler
-        self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        self.tokenizer, self.reward = tokenizer, reward
         self.engine: RolloutEngine | None = None  # set once the trainer has started it
         self.prefetched: tuple[list[int], list[Completion]] | None = None  # the next step's batch (rollout.overlap)
 
@@ -55,7 +56,7 @@ class Rollouts:
             kept += [s for s, keep in zip(samples, informative.tolist(), strict=True) if keep]
             if len({s.group for s in kept}) >= batch_size:
                 break
-        metrics = rollout_metrics(drawn)
+        metrics = rollout_metrics(drawn) | self.reward.metrics([s.parts for s in drawn if s.parts is not None])
         if a.dynamic_sampling:
             chosen = set(sorted({s.group for s in kept})[:batch_size])
             kept = [s for s in kept if s.group in chosen] or samples
@@ -95,32 +96,37 @@ class Rollouts:
             completions = wait()
         check_versions(completions, version, lag=int(r.overlap))
         examples = [self.examples[i] for i in indices]
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         chosen = [examples[c.prompt_index] for c in completions]
-        scores = rewards.score(self.reward_fn, [e.prompt for e in chosen], texts, [e.answer for e in chosen])
+        scores = self.reward.score(responses(chosen, completions, self.tokenizer))
         penalties = [0.0] * len(completions)
         if a.overlong_buffer_frac > 0:
-            buffer = max(1, round(a.overlong_buffer_frac * r.max_tokens))
+            buffer = algorithms.overlong_buffer(a.overlong_buffer_frac, r.max_tokens)
             lengths = torch.tensor([len(c.token_ids) for c in completions])
             penalties = algorithms.overlong_penalty(lengths, r.max_tokens, buffer, a.overlong_penalty).tolist()
         baselines = None
         if getattr(algorithms.ADVANTAGES[a.adv_estimator], "needs_greedy_baseline", False):
-            baselines = greedy_scores(self.engine, examples, self.tokenizer, self.reward_fn, max_tokens=r.max_tokens,
+            baselines = greedy_scores(self.engine, examples, self.tokenizer, self.reward, max_tokens=r.max_tokens,
                                       version=version, lag=int(r.overlap))  # fmt: skip
-        return [Sample(list(e.prompt_ids), c, first_group + c.prompt_index, score, score + penalty,
-                       None if baselines is None else baselines[c.prompt_index])
+        return [Sample(list(e.prompt_ids), c, first_group + c.prompt_index, score.total, score.total + penalty,
+                       None if baselines is None else baselines[c.prompt_index], score)
                 for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
 
 
-def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward_fn: Callable, *,
+def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: rewards.Rewards, *,
                   max_tokens: int, version: int, lag: int = 0) -> list[float]:  # fmt: skip
     """The run's reward of the engine's greedy answer to each prompt, from weights `version` (or `lag` before):
     validation, and the baseline of ReMax-style estimators."""
     completions = engine.generate([e.prompt_ids for e in examples], n=1, temperature=0.0, top_p=1.0,
                                   max_tokens=max_tokens, seed=0)  # fmt: skip
     check_versions(completions, version, lag=lag)
+    return [score.total for score in reward.score(responses(examples, completions, tokenizer))]
+
+
+def responses(examples: list[data.Example], completions: list[Completion], tokenizer) -> list[rewards.Response]:
+    """What the reward functions see of each completion (`examples[i]` answered by `completions[i]`)."""
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    return rewards.score(reward_fn, [e.prompt for e in examples], texts, [e.answer for e in examples])
+    return [rewards.Response(e.prompt, text, e.answer, e.columns, c.token_ids)
+            for e, c, text in zip(examples, completions, texts, strict=True)]  # fmt: skip
 
 
 def check_versions(completions: list[Completion], version: int, *, lag: int = 0) -> None:

@@ -38,10 +38,15 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    train_files: list[str] = option(["default"], "jsonl or parquet files of prompts; 'default' = the embedded task")
-    val_files: list[str] = option(["default"], "validation files (same format)")
-    prompt_key: str = option("prompt", "field holding the prompt")
-    answer_key: str = option("answer", "field holding the reference answer (given to the reward)")
+    train_files: list[str] = option(["default"], "prompt data: .jsonl/.json/.parquet/.csv files, `datasets` "
+                                    "save_to_disk directories, glob patterns; 'default' = the embedded "
+                                    "task")  # fmt: skip
+    val_files: list[str] = option(["default"], "validation data (same formats)")
+    prompt_key: str = option("prompt", "field holding the prompt: text, or a list of chat messages (verl's schema)")
+    answer_key: str = option("auto", "field (dotted path) of the reference answer given to the reward; auto: answer, "
+                             "else verl's reward_model.ground_truth")  # fmt: skip
+    system_prompt: str | None = option(None, "replaces the prompt's system message ('' = an empty one, overriding "
+                                       "a template's default); None: as the data and template have it")  # fmt: skip
     batch_size: int = option(32, "prompts per step (each sampled rollout.n times)", minimum=1)
     max_prompt_tokens: int = option(512, "longer prompts are dropped (and counted)")
     chat_template: bool = option(True, "apply the tokenizer's chat template when it has one")
@@ -148,7 +153,21 @@ class CriticSection:
 
 @dataclass
 class RewardSection:
-    fn: str = option("default", "built-in (default, math) or package.module:function or path/to/file.py:function")
+    fn: str = option("default", "built-in, package.module:function or path/to/file.py:function, in any of three "
+                     "signatures: f(prompt, response, answer) -> float; TRL's f(prompts, completions, **columns) -> "
+                     "list; verl's compute_score(data_source, solution_str, ground_truth, extra_info). Built-ins: "
+                     "default (the embedded task), math (1 if the response's last \\boxed{...}, else the line "
+                     "after its last ####, equals the answer's, numerically or as text; no last-number "
+                     "fallback)")  # fmt: skip
+    fns: list[str] = option([], "several reward functions (as reward.fn), summed with reward.weights; replaces fn")
+    weights: list[float] = option([], "weight of each of reward.fns (default: 1 each)")
+    workers: int = option(0, "processes scoring the samples (slow rewards: code execution, a judge); 0 = in the "
+                          "trainer's process", minimum=0)  # fmt: skip
+    timeout_s: float = option(0.0, "a reward call running longer is stopped (needs reward.workers); 0 = no limit",
+                              minimum=0.0)  # fmt: skip
+    on_error: str = option("raise", "a reward call that raises or times out: stop the run (naming the sample), or "
+                           "score it reward.error_score and count it in reward/errors", ("raise", "score"))  # fmt: skip
+    error_score: float = option(0.0, "the score of a failed reward call with reward.on_error=score")
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Each estimator is a function registered under its config name (`algorithm.adv_estimator`); `advantages()` checks the
 inputs once and calls it with every option (`norm_std`, `gamma`, `lam`, `eps`), which it takes by keyword or ignores
 (`**_`). Estimators that need more say so by attributes: `needs_greedy_baseline` (each prompt's greedy score),
-`needs_values` (a critic's values; they take the per-token penalty as it is, the others see its sum per response).
+`needs_values` (a critic's values; they take the per-token penalty as it is, the others see its sum per response),
+`compares_groups` (a baseline from the other responses to the prompt: `rollout.n` must be >= 2).
 """
 
 from collections.abc import Callable
@@ -210,3 +211,7 @@ def gae(rewards: Tensor, group_index: Tensor, mask: Tensor, *, values: Tensor, g
 
 
 gae.needs_values = True
+
+
+for _name in ("grpo", "drgrpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_pp_baseline"):
+    ADVANTAGES[_name].compares_groups = True  # with one response per prompt, every advantage is 0 (or r itself)

@@ -25,3 +25,8 @@ def informative_groups(rewards: Tensor, group_index: Tensor) -> Tensor:
                          f"{tuple(group_index.shape)}")  # fmt: skip
     stats = group_stats(rewards, group_index)
     return ~stats.tied | (stats.size == 1)
+
+
+def overlong_buffer(fraction: float, max_tokens: int) -> int:
+    """The overlong penalty's ramp in tokens: `fraction` of `max_tokens`, at least one."""
+    return max(1, round(fraction * max_tokens))
