@@ -4,6 +4,7 @@
 import argparse
 import atexit
 import os
+import shlex
 import sys
 from typing import NoReturn
 
@@ -46,10 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TrainerError) as e:
         console.print(f"error: {e}", markup=False, style="red")
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C
+        console.print("interrupted", markup=False, style="red")
+        return 130
     finally:
         _leave_process_group()
     if not summary:  # a data-parallel rank other than 0: rank 0 reports
         return 0
+    if summary.get("stopped_at"):
+        keep = [a for a in argv if a.split("=", 1)[0] not in ("trainer.output_dir", "trainer.resume")]
+        command = shlex.join(["uv", "run", "trainer", *keep, f"trainer.output_dir={summary['output_dir']}",
+                              "trainer.resume=auto"])  # fmt: skip
+        console.print(f"stopped after step {summary['stopped_at']} (checkpoint written); resume with:\n  {command}",
+                      markup=False)  # fmt: skip
+        return 130
     start, end = summary["val_accuracy_start"], summary["val_accuracy_end"]
     console.print(f"done: {summary['steps']} steps; outputs in {summary['output_dir']}", markup=False)
     if start is not None and end is not None:

@@ -19,6 +19,7 @@ from lorarl.trainer.console import Console, summary
 from lorarl.trainer.engines import EngineContext, RolloutEngine, placement, start_engine
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.evaluation import evaluate
+from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, plot
 from lorarl.trainer.models import Critic, Policy, load_tokenizer, rollout_dtype
@@ -132,8 +133,9 @@ class Trainer:
             console.say(f"dropped prompts longer than {self.config.data.max_prompt_tokens} tokens: {self.dropped}")
         log = MetricsLog(self.output_dir, resume_step=self.start_step)
         self.start_engine()
+        stopped_at = None
         try:
-            with console.live(self.start_step):
+            with console.live(self.start_step), StopRequest(console.say) as stop:
                 chosen = self._choose_sync() if self.config.rollout.sync == "auto" else {}
                 if chosen:
                     console.say(describe_choice(chosen))
@@ -149,15 +151,19 @@ class Trainer:
                         metrics.update(self.evaluate())
                     log.log(step, metrics)
                     console.step_done(step, metrics)
-                    if self._saves_at(step):
+                    if self._stops(stop) and step < t.steps:
+                        stopped_at = step
+                    if self._saves_at(step) or stopped_at:
                         self.save(step)
+                    if stopped_at:
+                        break
         finally:
             self.engine.close()
             self.reward.close()
             log.close()
         plots = plot(log.path, self.output_dir / "plots")
         result = summary(log.path, first_eval)
-        result.update({"output_dir": str(self.output_dir), "plots": [str(p) for p in plots]})
+        result.update({"output_dir": str(self.output_dir), "plots": [str(p) for p in plots], "stopped_at": stopped_at})
         return result
 
     def _follow(self) -> dict:
@@ -166,11 +172,19 @@ class Trainer:
         if self.config.rollout.sync == "auto":
             self._choose_sync()
         self.weights.sync()
-        for step in range(self.start_step + 1, t.steps + 1):
-            self.train_step(step)
-            if self._saves_at(step):
-                self.save(step)
+        with StopRequest(lambda text: None) as stop:
+            for step in range(self.start_step + 1, t.steps + 1):
+                self.train_step(step)
+                stopping = self._stops(stop) and step < t.steps
+                if self._saves_at(step) or stopping:
+                    self.save(step)
+                if stopping:
+                    break
         return {}
+
+    def _stops(self, stop: StopRequest) -> bool:
+        """Whether the run stops after this step (Ctrl-C): rank 0's word, so that every rank stops at the same step."""
+        return self.dp.broadcast(stop.requested) if self.dp is not None else stop.requested
 
     def start_engine(self) -> RolloutEngine:
         """The rollout engine `rollout.*` describes (`engines.start_engine`), started and fed by this trainer."""
