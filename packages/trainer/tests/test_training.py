@@ -24,7 +24,7 @@ def metrics(output_dir) -> list[dict]:
 def trained(tiny_setup, tmp_path_factory):
     """One short run through the CLI, shared by the tests that inspect its outputs."""
     output_dir = tmp_path_factory.mktemp("run") / "out"
-    assert main(tiny_overrides(tiny_setup, output_dir, trainer__eval_every=6)) == 0
+    assert main(tiny_overrides(tiny_setup, output_dir, trainer__eval_every=6, trainer__log_samples=3)) == 0
     return output_dir
 
 
@@ -48,6 +48,18 @@ def test_outputs_are_where_design_says(trained):
     assert (adapter / "adapter_model.safetensors").is_file()
     for plot in ("reward", "response_length", "val_accuracy"):
         assert (trained / "plots" / f"{plot}.png").stat().st_size > 1000
+
+
+def test_samples_show_what_the_model_wrote_and_what_training_made_of_it(trained):
+    rows = [json.loads(line) for line in (trained / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [step for step in range(1, 13) for _ in range(3)]
+    for row in rows:
+        assert row["score"] == pytest.approx(row["completion"].count("7") / max(len(row["completion"]), 1))  # sevens
+        assert row["reward"] == row["score"]  # no shaping in this run
+        assert row["prompt"].endswith("=")
+        assert row["tokens"] >= len(row["completion"])
+    assert any(r["advantage"] > 0 for r in rows)
+    assert any(r["advantage"] < 0 for r in rows)
 
 
 def test_saved_adapter_loads_with_peft_and_export_equals_its_merge(trained, tiny_setup, tmp_path):

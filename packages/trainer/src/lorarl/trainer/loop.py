@@ -21,7 +21,7 @@ from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
-from lorarl.trainer.metrics import MetricsLog, plot
+from lorarl.trainer.metrics import MetricsLog, SamplesLog, plot
 from lorarl.trainer.models import Critic, Policy, load_tokenizer, rollout_dtype
 from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
 from lorarl.trainer.rollout import Rollouts
@@ -74,6 +74,7 @@ class Trainer:
         self.weights = WeightSync(self.model, mode=r.sync, dtype=self.rollout_dtype, dp=self.dp,
                                   version=self.start_step)  # fmt: skip
         self.engine: RolloutEngine | None = None
+        self.samples_log: SamplesLog | None = None  # the main rank's, while it runs with trainer.log_samples
 
     # --- the step ------------------------------------------------------------------------------------------------
 
@@ -96,6 +97,8 @@ class Trainer:
         self.actor.advantages(batch)
         metrics.update(self.actor.update(step, batch))
         train_s = time.perf_counter() - train_started
+        if self.samples_log is not None:
+            self.samples_log.log(step, self._sample_rows(samples, batch))
 
         if keep_next is not None:  # before the sync: the engine answers in order
             waited = time.perf_counter()
@@ -132,6 +135,8 @@ class Trainer:
         if any(self.dropped.values()):
             console.say(f"dropped prompts longer than {self.config.data.max_prompt_tokens} tokens: {self.dropped}")
         log = MetricsLog(self.output_dir, resume_step=self.start_step)
+        if t.log_samples:
+            self.samples_log = SamplesLog(self.output_dir, resume_step=self.start_step)
         self.start_engine()
         stopped_at = None
         try:
@@ -161,6 +166,8 @@ class Trainer:
             self.engine.close()
             self.reward.close()
             log.close()
+            if self.samples_log is not None:
+                self.samples_log.close()
         plots = plot(log.path, self.output_dir / "plots")
         result = summary(log.path, first_eval)
         result.update({"output_dir": str(self.output_dir), "plots": [str(p) for p in plots], "stopped_at": stopped_at})
@@ -181,6 +188,21 @@ class Trainer:
                 if stopping:
                     break
         return {}
+
+    def _sample_rows(self, samples: list, batch) -> list[dict]:
+        """The first `trainer.log_samples` responses of the step as text, with their score, reward (after shaping)
+        and advantage (the mean over their tokens; with GAE it varies along the response)."""
+        rows = []
+        for i, sample in enumerate(samples[: self.config.trainer.log_samples]):
+            advantages = batch.advantages[i][batch.response_mask[i]]
+            rows.append({
+                "prompt": self.tokenizer.decode(sample.prompt_ids),
+                "completion": self.tokenizer.decode(list(sample.completion.token_ids), skip_special_tokens=True),
+                "score": sample.score, "reward": sample.reward,
+                "advantage": float(advantages.mean()) if advantages.numel() else 0.0,
+                "tokens": len(sample.completion.token_ids), "finished": sample.completion.finished,
+            })  # fmt: skip
+        return rows
 
     def _stops(self, stop: StopRequest) -> bool:
         """Whether the run stops after this step (Ctrl-C): rank 0's word, so that every rank stops at the same step."""

@@ -1,4 +1,5 @@
-"""Where a run's numbers go: metrics.jsonl (one object per step), TensorBoard (when installed), plots at the end."""
+"""Where a run's numbers go: metrics.jsonl (one object per step), TensorBoard (when installed), plots at the end;
+samples.jsonl (a few responses per step, with what training made of them)."""
 
 import json
 import math
@@ -12,13 +13,32 @@ PLOTS = {
 }
 
 
+def open_log(path: Path, resume_step: int):
+    """`path` opened for appending records (objects with a `step`), without those a resumed run writes again."""
+    if resume_step and path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept))
+    return path.open("a")
+
+
+class SamplesLog:
+    """samples.jsonl: one object per logged response — step, prompt, completion, score, reward, advantage."""
+
+    def __init__(self, output_dir: Path, *, resume_step: int = 0):
+        self.file = open_log(output_dir / "samples.jsonl", resume_step)
+
+    def log(self, step: int, rows: list[dict]) -> None:
+        self.file.write("".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class MetricsLog:
     def __init__(self, output_dir: Path, *, resume_step: int = 0):
         self.path = output_dir / "metrics.jsonl"
-        if resume_step and self.path.is_file():  # drop what a resumed run will write again
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self.file = self.path.open("a")
+        self.file = open_log(self.path, resume_step)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
