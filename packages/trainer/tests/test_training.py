@@ -3,6 +3,7 @@ fed by weight_sync, resuming repeats an uninterrupted run, exports equal peft's 
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +61,55 @@ def test_samples_show_what_the_model_wrote_and_what_training_made_of_it(trained)
         assert row["tokens"] >= len(row["completion"])
     assert any(r["advantage"] > 0 for r in rows)
     assert any(r["advantage"] < 0 for r in rows)
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_sample():
+    from itertools import combinations
+
+    from lorarl.trainer.evaluation import pass_at_k
+
+    for n in range(1, 7):
+        for correct in range(n + 1):
+            samples = [True] * correct + [False] * (n - correct)
+            for k in range(1, n + 1):
+                subsets = list(combinations(samples, k))
+                assert pass_at_k(n, correct, k) == pytest.approx(sum(map(any, subsets)) / len(subsets))
+
+
+def test_eval_of_a_checkpoint_and_of_its_export(trained, tiny_setup, tmp_path):
+    """`trainer eval`: the greedy reward equals transformers' own greedy generation from the saved adapter, scored
+    by the run's reward; the merged export scores the same."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lorarl.trainer.models import load_tokenizer
+
+    checkpoint = trained / "checkpoints" / "step_12"
+    assert main(["eval", "--checkpoint", str(checkpoint), "--n", "4", "--out", str(tmp_path / "eval.json")]) == 0
+    results = json.loads((tmp_path / "eval.json").read_text())
+    assert results["prompts"] == 32
+    assert [k for k in results if k.startswith("pass@")] == ["pass@1", "pass@2", "pass@4"]
+    assert results["pass@1"] <= results["pass@2"] <= results["pass@4"]
+    tokenizer = load_tokenizer(tiny_setup["model"])
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_setup["model"]), str(checkpoint / "adapter")
+    )
+    rows = [json.loads(line) for line in Path(tiny_setup["val"]).read_text().splitlines()]
+    scores = []
+    for row in rows:
+        ids = torch.tensor([tokenizer(row["prompt"])["input_ids"]])
+        out = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        scores.append(text.count("7") / max(len(text), 1))
+    assert results["greedy_reward"] == pytest.approx(sum(scores) / len(scores))
+    assert main(["export", "--checkpoint", str(checkpoint), "--merged", str(tmp_path / "merged")]) == 0
+    overrides = [f"model.path={tiny_setup['model']}", f"data.val_files=[{tiny_setup['val']}]",
+                 f"reward.fn={tiny_setup['reward']}", "rollout.max_tokens=6", "rollout.n=4"]  # fmt: skip
+    assert main(["eval", "--checkpoint", str(tmp_path / "merged"), "--n", "4", "--out", str(tmp_path / "m.json"),
+                 *overrides]) == 0  # fmt: skip
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["greedy_reward"] == pytest.approx(results["greedy_reward"], abs=1e-6)
 
 
 def test_saved_adapter_loads_with_peft_and_export_equals_its_merge(trained, tiny_setup, tmp_path):

@@ -1,11 +1,14 @@
 """`uv run trainer [CONFIG.yaml] [key=value ...]`, `uv run trainer --help`,
-`uv run trainer export --checkpoint DIR --merged OUT`."""
+`uv run trainer export --checkpoint DIR --merged OUT`,
+`uv run trainer eval --checkpoint DIR [--n 8] [key=value ...]`."""
 
 import argparse
 import atexit
+import json
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from lorarl.trainer.config import ConfigError, help_text, load_config
@@ -14,6 +17,7 @@ from lorarl.trainer.presets import PRESETS, presets_help
 
 USAGE = """usage: trainer [CONFIG.yaml] [key=value ...]
        trainer export --checkpoint DIR --merged OUT
+       trainer eval --checkpoint DIR [--val-files FILE ...] [--n 8] [--out FILE.json] [key=value ...]
 
 GRPO-family RL with LoRA. With no arguments: the embedded default (a small model learning multi-digit addition), on
 CPU, in a few minutes. Presets: algorithm=<{presets}>.
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "export":
             return _export(argv[1:], console)
+        if argv and argv[0] == "eval":
+            return _eval(argv[1:], console)
         files = [a for a in argv if "=" not in a]
         if len(files) > 1:
             raise ConfigError(f"at most one config file, got {files}")
@@ -86,6 +92,37 @@ def _export(argv: list[str], console) -> int:
 
     out = export_merged(args.checkpoint, args.merged)
     console.print(f"merged model written to {out}", markup=False)
+    return 0
+
+
+def _eval(argv: list[str], console) -> int:
+    parser = argparse.ArgumentParser(prog="trainer eval", description="greedy accuracy and pass@k of a checkpoint "
+                                     "(or a merged model) on validation data")  # fmt: skip
+    parser.add_argument("--checkpoint", required=True, help="a checkpoints/step_N directory, or a merged model's")
+    parser.add_argument("--val-files", nargs="+", help="validation data (default: the run's data.val_files)")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt for pass@k (default 8)")
+    parser.add_argument("--out", help="also write the results to this JSON file")
+    args, overrides = parser.parse_known_args(argv)
+    if bad := [o for o in overrides if "=" not in o]:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.n < 1:
+        parser.error(f"--n must be >= 1, got {args.n}")
+    if args.val_files:
+        overrides.append(f"data.val_files=[{','.join(args.val_files)}]")
+    from rich.table import Table
+
+    from lorarl.trainer.evaluation import evaluate_checkpoint
+
+    results = evaluate_checkpoint(args.checkpoint, overrides, n=args.n)
+    table = Table("measure", "value", title=f"{results['checkpoint']}: {results['prompts']} prompts")
+    for key, value in results.items():
+        if key not in ("checkpoint", "prompts"):
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    text = json.dumps(results, indent=2)
+    console.print(text, markup=False)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     return 0
 
 

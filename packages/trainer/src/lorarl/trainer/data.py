@@ -179,6 +179,18 @@ def _prompt_ids(prompt, tokenizer, use_template: bool, system_prompt: str | None
     return ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
 
 
+def load_examples(files: list[str], default_file: str, tokenizer, section) -> tuple[list[Example], int]:
+    """The examples of `files` by the `data` section's keys (`DataSection`), and how many were too long."""
+    rows = read_rows(files, default_file=default_file)
+    examples, dropped = build_examples(rows, tokenizer, prompt_key=section.prompt_key, answer_key=section.answer_key,
+                                       max_prompt_tokens=section.max_prompt_tokens, chat_template=section.chat_template,
+                                       system_prompt=section.system_prompt)  # fmt: skip
+    if not examples:
+        raise TrainerError(f"no usable prompts in {files}: {len(rows)} rows, {dropped} longer than "
+                           f"data.max_prompt_tokens={section.max_prompt_tokens}")  # fmt: skip
+    return examples, dropped
+
+
 class PromptSampler:
     """Batches of example indices: a seeded permutation per epoch, walked in order (batches may span epochs)."""
 

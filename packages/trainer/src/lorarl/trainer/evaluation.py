@@ -1,10 +1,15 @@
-"""Validation: greedy answers to the held-out prompts, scored by the run's reward."""
+"""Validation during a run (greedy answers to the held-out prompts, scored by the run's reward), and `trainer eval`:
+greedy accuracy and pass@k of a saved checkpoint or merged model."""
+
+import math
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from lorarl.trainer import data, rewards
 from lorarl.trainer.engines import RolloutEngine
-from lorarl.trainer.rollout import greedy_scores
+from lorarl.trainer.rollout import greedy_scores, responses
 
 
 def evaluate(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: rewards.Rewards, *,
@@ -13,3 +18,70 @@ def evaluate(engine: RolloutEngine, examples: list[data.Example], tokenizer, rew
     `version`."""
     scores = greedy_scores(engine, examples, tokenizer, reward, max_tokens=max_tokens, version=version)
     return {"val/reward": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The chance that at least one of k of the n samples is correct, `correct` of them being so: the unbiased
+    estimator 1 - C(n - c, k) / C(n, k) of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code")."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - correct + 1, n + 1))
+
+
+def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) -> dict:
+    """Greedy accuracy and reward, and pass@k of `n` samples per prompt at `rollout.temperature`, on `data.val_files`:
+    of a checkpoint (its policy adapter on `model.path`, or its full model; the run's `config.yaml`, then `overrides`)
+    or of a merged model directory (`trainer export`'s; the settings from `overrides`)."""
+    from lorarl.trainer.config import load_config
+    from lorarl.trainer.engines.hf import HFSettings, generate_with_hf
+    from lorarl.trainer.errors import TrainerError
+    from lorarl.trainer.models import DTYPES, load_base, load_tokenizer, resolve_model_path
+    from lorarl.trainer.presets import PRESETS
+
+    directory = Path(directory)
+    saved = directory / "config.yaml"
+    config = load_config(saved if saved.is_file() else None, overrides, presets=PRESETS)
+    device = torch.device("cuda" if config.trainer.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if config.trainer.device == "auto" else config.trainer.device))  # fmt: skip
+    dtype = DTYPES[config.model.dtype]
+    if (directory / "adapter" / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base_path = resolve_model_path(config.model.path)
+        model = PeftModel.from_pretrained(load_base(base_path, dtype, device), str(directory / "adapter"))
+    elif (directory / "model" / "config.json").is_file() or (directory / "config.json").is_file():
+        base_path = resolve_model_path(config.model.path)
+        model = load_base(directory / "model" if (directory / "model").is_dir() else directory, dtype, device)
+    else:
+        raise TrainerError(f"{directory}: neither a checkpoint (adapter/ or model/) nor a model directory")
+    tokenizer = load_tokenizer(base_path)
+    examples, _ = data.load_examples(config.data.val_files, "val.jsonl", tokenizer, config.data)
+    examples = examples[: config.data.val_size] if config.data.val_size else examples
+    settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                          config.rollout.batch_size)  # fmt: skip
+    r, reward = config.rollout, rewards.Rewards(config.reward)
+    prompts = [list(e.prompt_ids) for e in examples]
+    try:
+        model.eval()
+        greedy = generate_with_hf(model, settings, 0, prompts, 1, 0.0, 1.0, r.max_tokens, 0)
+        sampled = generate_with_hf(model, settings, 0, prompts, n, r.temperature, r.top_p, r.max_tokens,
+                                   config.trainer.seed)  # fmt: skip
+        greedy_scores_ = [s.total for s in reward.score(responses(examples, greedy, tokenizer))]
+        chosen = [examples[c.prompt_index] for c in sampled]
+        sampled_scores = [s.total for s in reward.score(responses(chosen, sampled, tokenizer))]
+    finally:
+        reward.close()
+    correct = [0] * len(examples)
+    for completion, score in zip(sampled, sampled_scores, strict=True):
+        correct[completion.prompt_index] += score >= 1.0
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, n) if k <= n})
+    return {
+        "checkpoint": str(directory),
+        "prompts": len(examples),
+        "greedy_accuracy": float(np.mean([s >= 1.0 for s in greedy_scores_])),
+        "greedy_reward": float(np.mean(greedy_scores_)),
+        "samples_per_prompt": n,
+        "temperature": r.temperature,
+        "sampled_reward": float(np.mean(sampled_scores)),
+        **{f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks},
+    }

@@ -60,8 +60,8 @@ class Trainer:
                 if not self.critic.shares_base:
                     shard(self.critic.model, self.dp.mesh)
         self.tokenizer = load_tokenizer(self.policy.path)
-        train_set, dropped = self._examples(config.data.train_files, "train.jsonl")
-        self.val_set, val_dropped = self._examples(config.data.val_files, "val.jsonl")
+        train_set, dropped = data.load_examples(config.data.train_files, "train.jsonl", self.tokenizer, config.data)
+        self.val_set, val_dropped = data.load_examples(config.data.val_files, "val.jsonl", self.tokenizer, config.data)
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
@@ -279,18 +279,6 @@ class Trainer:
         self.rollouts.prefetched = state.get("prefetched")
         self.console.say(f"resumed from {path} (step {state['step']})")
         return state["step"]
-
-    def _examples(self, files: list[str], default_file: str) -> tuple[list[data.Example], int]:
-        d = self.config.data
-        rows = data.read_rows(files, default_file=default_file)
-        examples, dropped = data.build_examples(rows, self.tokenizer, prompt_key=d.prompt_key,
-                                                answer_key=d.answer_key, max_prompt_tokens=d.max_prompt_tokens,
-                                                chat_template=d.chat_template,
-                                                system_prompt=d.system_prompt)  # fmt: skip
-        if not examples:
-            raise TrainerError(f"no usable prompts in {files}: {len(rows)} rows, {dropped} longer than "
-                               f"data.max_prompt_tokens={d.max_prompt_tokens}")  # fmt: skip
-        return examples, dropped
 
 
 def _check_settings(config: Config) -> None:
