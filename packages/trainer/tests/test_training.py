@@ -189,6 +189,49 @@ def test_tensorboard_event_files(trained):
     assert list((trained / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def wandb_records(path):
+    """The protobuf records of a `.wandb` run file: a ":W&B" header, then a LevelDB-style log (32 KiB blocks of
+    records: crc32 (4 bytes), length (2), type (1: full, 2: first, 3: middle, 4: last), data)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    position, pending = 7, b""
+    while position + 7 <= len(data):
+        if (left := 32768 - position % 32768) < 7:
+            position += left  # a block's tail too short for a record header is padding
+            continue
+        length, kind = struct.unpack("<HB", data[position + 4 : position + 7])
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_and_tensorboard_loggers(tiny_setup, tmp_path, monkeypatch):
+    """`trainer.loggers=[wandb,tensorboard]` with no network (WANDB_MODE=offline): wandb's run file holds every
+    step's metrics and the run's configuration; TensorBoard's event files are written too."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "out"
+    assert main(tiny_overrides(tiny_setup, out, trainer__steps=3, trainer__loggers="[wandb,tensorboard]")) == 0
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    records = list(wandb_records(run_file))
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]  # fmt: skip
+    assert [h["_step"] for h in history] == [1, 2, 3]
+    expected = [m for m in metrics(out) if "reward/mean" in m]
+    assert [h["reward/mean"] for h in history] == pytest.approx([m["reward/mean"] for m in expected])
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert {item.key for item in run.config.update} >= {"model", "algorithm", "trainer"}
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_full_fine_tuning_with_a_kl_term_keeps_a_frozen_reference(tiny_setup, tmp_path):
     config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", model__lora__rank=0, actor__lr=1e-3,
                                               algorithm__kl_coef=0.1, trainer__steps=8), presets=PRESETS)  # fmt: skip

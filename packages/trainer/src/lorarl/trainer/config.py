@@ -186,6 +186,10 @@ def _check_rules(config: Config) -> None:
     if w.weights and len(w.weights) != len(w.fns or [w.fn]):
         raise ConfigError(f"reward.weights={w.weights}: expected one weight per reward function "
                           f"({len(w.fns or [w.fn])})")  # fmt: skip
+    unknown = set(config.trainer.loggers or []) - {"tensorboard", "wandb"}
+    if unknown:
+        raise ConfigError(f"trainer.loggers={config.trainer.loggers}: unknown {sorted(unknown)}; expected tensorboard, "
+                          "wandb")  # fmt: skip
     if w.timeout_s and not w.workers:
         raise ConfigError(f"reward.timeout_s={w.timeout_s} needs reward.workers >= 1 (a call is stopped in a worker "
                           "process)")  # fmt: skip

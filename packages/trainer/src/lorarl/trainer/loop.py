@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
@@ -134,7 +135,8 @@ class Trainer:
         console.say(f"outputs: {self.output_dir.resolve()}")
         if any(self.dropped.values()):
             console.say(f"dropped prompts longer than {self.config.data.max_prompt_tokens} tokens: {self.dropped}")
-        log = MetricsLog(self.output_dir, resume_step=self.start_step)
+        log = MetricsLog(self.output_dir, resume_step=self.start_step, loggers=t.loggers, project=t.wandb_project,
+                         config=OmegaConf.to_container(OmegaConf.structured(self.config)))  # fmt: skip
         if t.log_samples:
             self.samples_log = SamplesLog(self.output_dir, resume_step=self.start_step)
         self.start_engine()

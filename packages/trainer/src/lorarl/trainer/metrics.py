@@ -1,9 +1,13 @@
-"""Where a run's numbers go: metrics.jsonl (one object per step), TensorBoard (when installed), plots at the end;
-samples.jsonl (a few responses per step, with what training made of them)."""
+"""Where a run's numbers go: metrics.jsonl (one object per step, always: the plots, the summary and resuming read it),
+the loggers of `trainer.loggers` (TensorBoard, Weights & Biases), plots at the end; samples.jsonl (a few responses per
+step, with what training made of them)."""
 
+import hashlib
 import json
 import math
 from pathlib import Path
+
+from lorarl.trainer.errors import TrainerError
 
 PLOTS = {
     "reward": ("reward/mean", "mean reward of the rollouts"),
@@ -36,29 +40,55 @@ class SamplesLog:
 
 
 class MetricsLog:
-    def __init__(self, output_dir: Path, *, resume_step: int = 0):
+    """metrics.jsonl, and each logger of `loggers` (None: TensorBoard when it is installed). `config` is the run's
+    configuration, which wandb records with the run."""
+
+    def __init__(self, output_dir: Path, *, resume_step: int = 0, loggers: list[str] | None = None,
+                 config: dict | None = None, project: str = "lorarl") -> None:  # fmt: skip
         self.path = output_dir / "metrics.jsonl"
         self.file = open_log(self.path, resume_step)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        self.tensorboard = self.wandb = None
+        if loggers is None or "tensorboard" in loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
-        except ImportError:  # tensorboard is optional
-            self.tensorboard = None
+                self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                if loggers is not None:
+                    raise TrainerError("trainer.loggers has tensorboard, which is not installed: install "
+                                       "lorarl-trainer[tensorboard]") from None  # fmt: skip
+        if loggers is not None and "wandb" in loggers:
+            self.wandb = _start_wandb(output_dir, config or {}, project)
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float) and math.isfinite(v)}
         if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                    self.tensorboard.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(output_dir: Path, config: dict, project: str):
+    """A wandb run kept in `output_dir/wandb`, its id derived from the output directory so that a resumed run
+    continues it. `WANDB_MODE=offline` runs with no network (`wandb sync` uploads later)."""
+    try:
+        import wandb
+    except ImportError:
+        raise TrainerError("trainer.loggers has wandb, which is not installed: install lorarl-trainer[wandb]") from None
+    run_id = hashlib.sha1(str(output_dir.resolve()).encode()).hexdigest()[:16]
+    return wandb.init(project=project, name=output_dir.name, id=run_id, resume="allow", dir=str(output_dir),
+                      config=config)  # fmt: skip
 
 
 def read(path: Path) -> list[dict]:

@@ -177,6 +177,9 @@ class TrainerSection:
     save_every: int = option(0, "checkpoint every so many steps (always at the end); 0 = only at the end")
     output_dir: str | None = option(None, "where outputs go (default: outputs/<date-time>)")
     seed: int = option(0, "seed for data order, sampling and initialisation")
+    loggers: list[str] | None = option(None, "where metrics go besides metrics.jsonl: tensorboard, wandb (offline with "
+                                       "WANDB_MODE=offline); None: tensorboard when installed")  # fmt: skip
+    wandb_project: str = option("lorarl", "the wandb project of the runs")
     log_samples: int = option(0, "responses per step written to samples.jsonl (prompt, completion, score, reward, "
                               "advantage)", minimum=0)  # fmt: skip
     resume: str = option("never", "never, auto (latest checkpoint in output_dir) or a checkpoint directory")
