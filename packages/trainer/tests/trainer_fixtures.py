@@ -67,3 +67,39 @@ def tiny_overrides(setup: dict[str, str], output_dir: Path, **extra) -> list[str
     }
     overrides.update({key.replace("__", "."): value for key, value in extra.items()})
     return [f"{key}={value}" for key, value in overrides.items()]
+
+
+def write_gguf(model_dir: Path, name: str = "tiny.gguf", quantized: bool = False) -> Path:
+    """The tiny Qwen2 model as a GGUF file beside it, written with the gguf package under llama.cpp's tensor names
+    (float32, or Q8_0 for the 2-D weights with `quantized`), as llama.cpp's converter lays one out."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    c = model.config
+    writer = gguf.GGUFWriter(str(model_dir / name), "qwen2")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, c.num_hidden_layers)
+    tensors = dict(model.state_dict())
+    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied: llama.cpp writes it out
+    for hf_name, tensor in tensors.items():
+        module, suffix = hf_name.rsplit(".", 1)
+        data = tensor.float().numpy()
+        if quantized and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(f"{names.get_name(module)}.{suffix}", gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(f"{names.get_name(module)}.{suffix}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model_dir / name

@@ -47,10 +47,10 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     if (directory / "adapter" / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        base_path = resolve_model_path(config.model.path)
+        base_path = resolve_model_path(config.model.path, config.model.gguf_file, config.model.dtype)
         model = PeftModel.from_pretrained(load_base(base_path, dtype, device), str(directory / "adapter"))
     elif (directory / "model" / "config.json").is_file() or (directory / "config.json").is_file():
-        base_path = resolve_model_path(config.model.path)
+        base_path = resolve_model_path(config.model.path, config.model.gguf_file, config.model.dtype)
         model = load_base(directory / "model" if (directory / "model").is_dir() else directory, dtype, device)
     else:
         raise TrainerError(f"{directory}: neither a checkpoint (adapter/ or model/) nor a model directory")

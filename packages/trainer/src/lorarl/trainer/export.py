@@ -16,7 +16,8 @@ def export_merged(checkpoint: str | Path, out: str | Path) -> Path:
     if not (adapter / "adapter_config.json").is_file():
         raise TrainerError(f"{checkpoint} holds no adapter (a full fine-tune's model/ is already a full model)")
     config = yaml.safe_load((checkpoint / "config.yaml").read_text())
-    path = resolve_model_path(config["model"]["path"])
+    section = config["model"]
+    path = resolve_model_path(section["path"], section.get("gguf_file"), section["dtype"])
     from peft import PeftModel
 
     base = load_base(path, DTYPES[config["model"]["dtype"]], torch.device("cpu"))

@@ -36,11 +36,51 @@ def rollout_dtype(name: str, training: torch.dtype, device: torch.device) -> tor
     return torch.bfloat16 if native else training
 
 
-def resolve_model_path(path: str) -> Path:
+def resolve_model_path(path: str, gguf_file: str | None = None, dtype: str = "float32") -> Path:
+    """The Hugging Face model directory `model.path` names ('default': the embedded model) — or, with
+    `model.gguf_file`, the directory its GGUF checkpoint is dequantised into (`dequantized_gguf`)."""
     resolved = default_task.MODEL_DIR if path == "default" else Path(path)
+    if gguf_file is not None:
+        return dequantized_gguf(resolved, gguf_file, dtype)
     if not (resolved / "config.json").is_file():
         raise TrainerError(f"model.path={path!r}: {resolved} is not a Hugging Face model directory (no config.json)")
     return resolved
+
+
+def dequantized_gguf(directory: Path, gguf_file: str, dtype: str) -> Path:
+    """A GGUF checkpoint (`directory/gguf_file`, or a path) as a plain Hugging Face model directory in `dtype`:
+    dequantised by transformers (with the gguf package) once, into a cache directory keyed by the file (path, size,
+    modification time) and the dtype ($LORARL_CACHE, default ~/.cache/lorarl). Everything else — the engines,
+    checkpoints, export — then reads it as any model. Its tokenizer: the directory's files, else the GGUF's own."""
+    import hashlib
+    import os
+    import uuid
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(gguf_file) if Path(gguf_file).is_absolute() else directory / gguf_file
+    if not source.is_file():
+        raise TrainerError(f"model.gguf_file={gguf_file!r}: {source} not found")
+    stat = source.stat()
+    key = hashlib.sha1(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("LORARL_CACHE", Path.home() / ".cache" / "lorarl")) / "gguf" / f"{source.stem}-{key}"
+    if (cache / "config.json").is_file():
+        return cache
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=DTYPES[dtype])
+    except ImportError as e:
+        raise TrainerError(f"model.gguf_file needs the gguf package (lorarl-trainer[gguf]): {e}") from None
+    model.hf_quantizer = None  # dequantised already: what blocks save_pretrained ("not serializable") is the marker
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    has_tokenizer = any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = (AutoTokenizer.from_pretrained(directory) if has_tokenizer else
+                 AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name))  # fmt: skip
+    partial = cache.with_name(f".{cache.name}-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    os.replace(partial, cache)  # complete or absent, also with several runs converting at once
+    return cache
 
 
 def load_tokenizer(path: Path):
@@ -62,7 +102,7 @@ class Policy:
     """The trainable model and its reference log-prob context."""
 
     def __init__(self, section: ModelSection, device: torch.device, *, kl_coef: float):
-        self.path = resolve_model_path(section.path)
+        self.path = resolve_model_path(section.path, section.gguf_file, section.dtype)
         self.dtype = DTYPES[section.dtype]
         base = load_base(self.path, self.dtype, device)
         self.is_lora = _uses_lora(section.lora)

@@ -33,6 +33,9 @@ class LoraSection:
 class ModelSection:
     path: str = option("default", "local Hugging Face causal-LM directory; 'default' = the embedded model")
     dtype: str = option("float32", "training weights dtype", ("float32", "bfloat16", "float16"))
+    gguf_file: str | None = option(None, "a GGUF checkpoint (in model.path, or a path) to start from: dequantised "
+                                   "once into a cached Hugging Face directory (needs the gguf package); model.path "
+                                   "then holds its tokenizer, or the GGUF's own is used")  # fmt: skip
     lora: LoraSection = field(default_factory=LoraSection)
 
 
