@@ -8,17 +8,8 @@ import pytest
 from lorarl.trainer import default_task
 from lorarl.trainer.config import load_config
 from lorarl.trainer.errors import TrainerError
-from lorarl.trainer.rewards import (
-    Response,
-    RewardError,
-    Rewards,
-    call,
-    equivalent,
-    extract_answer,
-    load_reward,
-    math_exact,
-    style,
-)  # fmt: skip
+from lorarl.trainer.math_reward import equivalent, extract_answer, math_exact
+from lorarl.trainer.rewards import Response, RewardError, Rewards, call, load_reward, style
 
 
 @pytest.mark.parametrize(
@@ -58,7 +49,7 @@ def test_default_task_reward():
 
 
 def test_user_functions_by_module_and_by_file(tmp_path):
-    assert load_reward("lorarl.trainer.rewards:math_exact") is math_exact
+    assert load_reward("lorarl.trainer.math_reward:math_exact") is math_exact
     path = tmp_path / "my_reward.py"
     path.write_text("def length(prompt, response, answer):\n    return len(response)\n")
     assert load_reward(f"{path}:length")("p", "abc", "a") == 3
