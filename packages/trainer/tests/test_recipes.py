@@ -1,0 +1,32 @@
+"""The SmolLM2 recipe's parts that run without the network: its task files (train and validation disjoint) load as
+the trainer reads them, its reward takes the last number, its config is valid."""
+
+import importlib.util
+from pathlib import Path
+
+from lorarl.trainer.config import load_config
+from lorarl.trainer.data import read_rows
+from lorarl.trainer.presets import PRESETS
+from lorarl.trainer.rewards import load_reward
+
+RECIPE = Path(__file__).parents[1] / "recipes" / "smollm2"
+
+
+def test_the_task_is_disjoint_and_the_reward_takes_the_last_number(tmp_path):
+    spec = importlib.util.spec_from_file_location("fetch", RECIPE / "fetch.py")
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    fetch.write_task(tmp_path)
+    train = [r.fields for r in read_rows([str(tmp_path / "train.jsonl")], default_file="")]
+    val = [r.fields for r in read_rows([str(tmp_path / "val.jsonl")], default_file="")]
+    assert (len(train), len(val)) == (90 * 90 - 200, 200)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+    a, b = (int(x) for x in val[0]["prompt"].removeprefix("What is ").split("?")[0].split(" + "))
+    assert val[0]["answer"] == str(a + b)
+    reward = load_reward(f"{RECIPE / 'reward.py'}:last_number")
+    assert reward("", "23 + 45 = 68", "68") == 1.0
+    assert reward("", "23 + 45 = 78", "68") == 0.0
+    assert reward("", "The sum is 1,068.", "1068") == 1.0
+    assert reward("", "no idea", "68") == 0.0
+    config = load_config(RECIPE / "addition.yaml", presets=PRESETS)
+    assert config.model.gguf_file == fetch.GGUF
