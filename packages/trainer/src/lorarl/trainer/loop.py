@@ -274,7 +274,8 @@ class Trainer:
         if path is None:
             return 0
         state = checkpoint.load_state(path)
-        self.actor.optimizer.load_state_dict(self.model, state["actor"])
+        actor = state.get("actor") or {"optimizer": state["optimizer"], "scheduler": state["scheduler"]}  # (older runs)
+        self.actor.optimizer.load_state_dict(self.model, actor)
         if self.critic is not None:
             self.actor.critic_optimizer.load_state_dict(self.critic.modules, state["critic"])
         self.rollouts.sampler.load_state_dict(state["sampler"])
