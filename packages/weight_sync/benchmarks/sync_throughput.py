@@ -6,6 +6,8 @@ Per case (payload, bucket size):
                           transfer header, buckets, final status), tensor bytes / seconds
   ratio_to_raw            time of one `broadcast` of a single preallocated buffer holding the same bytes / seconds
   speedup_vs_per_tensor   time of broadcasting tensor by tensor (as TRL/OpenRLHF do) / seconds
+  receive_ratio_to_raw    the same ratio for the iterator path: `BucketReceiver.receive()`, each tensor copied into
+                          the preallocated one of its name (as vLLM's `load_weights` copies what it is given)
 The receiver loads into preallocated tensors of the same names (`load_into` a module, as a rollout engine does),
 like the baselines, which also receive into preallocated memory.
 
@@ -89,9 +91,13 @@ class Engine(torch.nn.Module):
         return self.tensors
 
 
-def bucketed(sender: BucketSender | None, receiver: BucketReceiver | None, tensors: dict[str, torch.Tensor]) -> None:
+def bucketed(sender: BucketSender | None, receiver: BucketReceiver | None, tensors: dict[str, torch.Tensor],
+             iterate: bool = False) -> None:  # fmt: skip
     if sender is not None:
         sender.send(tensors, version=1)
+    elif iterate:
+        for name, tensor in receiver.receive():
+            tensors[name].copy_(tensor)
     else:
         receiver.load_into(Engine(tensors))
 
@@ -121,14 +127,25 @@ def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, gloo_
         )
         receiver = {b: BucketReceiver(group) for b in bucket_sizes} if rank == 1 else None  # one per size, as real use
 
-        times = {"raw": [], "per_tensor": [], **{b: [] for b in bucket_sizes}}
+        times = {
+            "raw": [],
+            "per_tensor": [],
+            **{b: [] for b in bucket_sizes},
+            **{(b, "receive"): [] for b in bucket_sizes},
+        }
         for _ in range(repeats):  # every measurement in turn, so drift hits all alike
             times["raw"].append(timed(group, functools.partial(broadcast, group, raw)))
             times["per_tensor"].append(timed(group, functools.partial(per_tensor, group, tensors)))
             for b in bucket_sizes:
-                times[b].append(
-                    timed(group, functools.partial(bucketed, sender and sender[b], receiver and receiver[b], tensors))
-                )
+                for key, iterate in ((b, False), ((b, "receive"), True)):
+                    times[key].append(
+                        timed(
+                            group,
+                            functools.partial(
+                                bucketed, sender and sender[b], receiver and receiver[b], tensors, iterate
+                            ),
+                        )
+                    )
         if rank == 0:
             median = {k: statistics.median(v) for k, v in times.items()}
             for b in bucket_sizes:
@@ -138,6 +155,7 @@ def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, gloo_
                     "seconds": round(median[b], 4), "gbps": round(total / median[b] / 1e9, 3),
                     "ratio_to_raw": round(median["raw"] / median[b], 3),
                     "speedup_vs_per_tensor": round(median["per_tensor"] / median[b], 2),
+                    "receive_ratio_to_raw": round(median["raw"] / median[(b, "receive")], 3),
                     "raw_seconds": round(median["raw"], 4), "per_tensor_seconds": round(median["per_tensor"], 4),
                 })  # fmt: skip
         del tensors, raw

@@ -65,6 +65,26 @@ def send_versions(group, rank):
     return [sender.send({"w": torch.full((10,), float(v))}, version=v).version for v in (1, 2, 5)]
 
 
+def send_mixed_twice(group, rank):
+    """Two versions of the mixed tensors (other values), in small buckets: large tensors go direct or split."""
+    sender = BucketSender(group, bucket_bytes=SMALL_BUCKET, direct_bytes=SMALL_BUCKET // 8)
+    return [sender.send(mixed_tensors(seed), version=seed).version for seed in (1, 2)]
+
+
+def receive_twice_noting_buffers(group, rank):
+    """Each transfer's values (copied, as a consumer must) and where its large tensors landed."""
+    receiver = BucketReceiver(group)
+    equal, landed = [], []
+    for seed in (1, 2):
+        want, where = mixed_tensors(seed), {}
+        for name, tensor in receiver.receive():
+            equal.append(torch.equal(tensor.clone(), want[name]))
+            if tensor.nbytes > SMALL_BUCKET // 8:
+                where[name] = tensor.untyped_storage().data_ptr()
+        landed.append(where)
+    return {"equal": all(equal), "large": sorted(landed[0]), "reused": landed[0] == landed[1]}
+
+
 def send_empty(group, rank):
     return BucketSender(group).send([], version=4).buckets
 

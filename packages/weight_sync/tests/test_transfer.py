@@ -46,6 +46,17 @@ def test_versions_and_empty_transfer():
     assert ok(out, 1) == {"tensors": 0, "version": 4}
 
 
+def test_large_tensors_land_in_buffers_reused_from_transfer_to_transfer():
+    """`receive()`: a large tensor (sent direct, or split over buckets) lands in a buffer the consumer's advance has
+    freed, not in fresh memory that pays its page faults on every transfer; the values are right either way."""
+    out = run_group([w.send_mixed_twice, w.receive_twice_noting_buffers])
+    assert ok(out, 0) == [1, 2]
+    got = ok(out, 1)
+    assert got["equal"]
+    assert "big" in got["large"]
+    assert got["reused"]
+
+
 def test_load_weights_target_gets_copies_it_may_keep():
     out = run_group([w.send_mixed, w.load_weights_target])
     assert ok(out, 1) == {"version": 7, "equal": True}

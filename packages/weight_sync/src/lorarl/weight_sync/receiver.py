@@ -65,6 +65,7 @@ class _Transfer:
     finished: bool = False  # the last bucket's (or the sender's abort notice's) receives are posted
     received: int = 0  # tensors completed
     split: tuple[TensorSpec, int] | None = None  # tensor being received in parts, and its next byte
+    reuse: bool = False  # large tensors land in the receiver's reused buffers (the consumer copies what it keeps)
     assembling: dict[str, torch.Tensor] = field(default_factory=dict)  # bytes of tensors received in parts
     manifest_index: dict[str, TensorSpec] = field(default_factory=dict)
 
@@ -90,21 +91,27 @@ class BucketReceiver:
             raise ValueError(f"BucketReceiver runs on ranks other than src ({src})")
         self.version: int | None = None
         self._scratch: list[torch.Tensor | None] = [None, None]  # packed payloads being received (two buckets)
+        # buffers of large tensors by size, free to land the next ones in: reused memory is already mapped, where a
+        # fresh tensor per entry paid its page faults on every transfer
+        self._free: dict[int, list[torch.Tensor]] = {}
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the `(name, tensor)` of one transfer of weights, in the order sent.
 
-        Small tensors are **views into a reused bucket buffer, valid only until the iterator advances**; large ones
-        (sent direct, or split) are tensors of their own. Copy what you keep. `version` is set once the whole
-        transfer has been received and validated; stopping early drains the rest and reports failure.
+        Every tensor is **valid only until the iterator advances**: small ones are views into a reused bucket buffer,
+        large ones (sent direct, or split) land in buffers reused from tensor to tensor and transfer to transfer.
+        Copy what you keep (vLLM's `load_weights` does). `version` is set once the whole transfer has been received
+        and validated; stopping early drains the rest and reports failure.
         """
         transfer = self._start("weights")
+        transfer.reuse = True
         for name, tensor, _ in self._tensors(transfer):
             yield name, tensor
 
     def receive_adapter(self) -> tuple[dict[str, torch.Tensor], dict, int]:
         """Receive an adapter transfer: `(tensors, peft adapter config, version)`; the tensors are owned copies."""
         transfer = self._start("adapter")
+        transfer.reuse = True
         tensors = {name: tensor.clone() for name, tensor, _ in self._tensors(transfer)}
         return tensors, transfer.header.adapter_config or {}, transfer.header.version
 
@@ -238,13 +245,21 @@ class BucketReceiver:
             if landed is not None:
                 return landed
         if entry.start == 0:
-            transfer.assembling[entry.spec.name] = torch.empty(
-                entry.spec.nbytes, dtype=torch.uint8, device=self.channel.device
-            )
+            transfer.assembling[entry.spec.name] = self._assembly(transfer, entry.spec.nbytes)
         assembly = transfer.assembling.get(entry.spec.name)
         if assembly is None:
             raise ProtocolError(f"version {transfer.header.version}: {entry.spec.name!r} continues without a start")
         return assembly[entry.start : entry.start + entry.length]
+
+    def _assembly(self, transfer: _Transfer, nbytes: int) -> torch.Tensor:
+        """Where a large tensor's bytes go: a free buffer of its size (`transfer.reuse`), else a new one."""
+        free = self._free.get(nbytes) if transfer.reuse else None
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device=self.channel.device)
+
+    def _release(self, transfer: _Transfer, assembly: torch.Tensor) -> None:
+        """The consumer has moved past the tensor in `assembly`: its buffer is free for the next one of its size."""
+        if transfer.reuse:
+            self._free.setdefault(assembly.numel(), []).append(assembly)
 
     def _check_entries(self, transfer: _Transfer, bucket: BucketHeader) -> None:
         version = transfer.header.version
@@ -273,6 +288,7 @@ class BucketReceiver:
                             assembly = transfer.assembling.pop(entry.spec.name, None)
                             if assembly is not None:
                                 yield entry.spec.name, _as_tensor(assembly, entry.spec), OWNED
+                                self._release(transfer, assembly)
                             else:
                                 yield entry.spec.name, None, LANDED
                         continue
@@ -281,12 +297,12 @@ class BucketReceiver:
                         yield entry.spec.name, _as_tensor(data, entry.spec), VIEW
                         continue
                     if entry.start == 0:
-                        transfer.assembling[entry.spec.name] = torch.empty(
-                            entry.spec.nbytes, dtype=torch.uint8, device=data.device
-                        )
+                        transfer.assembling[entry.spec.name] = self._assembly(transfer, entry.spec.nbytes)
                     transfer.assembling[entry.spec.name][entry.start : entry.start + entry.length].copy_(data)
                     if entry.completes:
-                        yield entry.spec.name, _as_tensor(transfer.assembling.pop(entry.spec.name), entry.spec), OWNED
+                        assembly = transfer.assembling.pop(entry.spec.name)
+                        yield entry.spec.name, _as_tensor(assembly, entry.spec), OWNED
+                        self._release(transfer, assembly)
             done = True
         finally:
             if not done:
