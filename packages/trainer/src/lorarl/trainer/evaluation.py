@@ -5,7 +5,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from lorarl.trainer import data, rewards
 from lorarl.trainer.engines import RolloutEngine
@@ -35,22 +34,19 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     from lorarl.trainer.config import load_config
     from lorarl.trainer.engines.hf import HFSettings, generate_with_hf
     from lorarl.trainer.errors import TrainerError
-    from lorarl.trainer.models import DTYPES, load_base, load_tokenizer, resolve_model_path
+    from lorarl.trainer.models import DTYPES, load_base, load_tokenizer, resolve_device, resolve_model_path
     from lorarl.trainer.presets import PRESETS
 
     directory = Path(directory)
     saved = directory / "config.yaml"
     config = load_config(saved if saved.is_file() else None, overrides, presets=PRESETS)
-    device = torch.device("cuda" if config.trainer.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if config.trainer.device == "auto" else config.trainer.device))  # fmt: skip
-    dtype = DTYPES[config.model.dtype]
+    device, dtype = resolve_device(config.trainer.device), DTYPES[config.model.dtype]
+    base_path = resolve_model_path(config.model.path, config.model.gguf_file, config.model.dtype)  # its tokenizer
     if (directory / "adapter" / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        base_path = resolve_model_path(config.model.path, config.model.gguf_file, config.model.dtype)
         model = PeftModel.from_pretrained(load_base(base_path, dtype, device), str(directory / "adapter"))
     elif (directory / "model" / "config.json").is_file() or (directory / "config.json").is_file():
-        base_path = resolve_model_path(config.model.path, config.model.gguf_file, config.model.dtype)
         model = load_base(directory / "model" if (directory / "model").is_dir() else directory, dtype, device)
     else:
         raise TrainerError(f"{directory}: neither a checkpoint (adapter/ or model/) nor a model directory")

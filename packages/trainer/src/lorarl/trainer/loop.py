@@ -23,7 +23,7 @@ from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, SamplesLog, plot
-from lorarl.trainer.models import Critic, Policy, load_tokenizer, rollout_dtype
+from lorarl.trainer.models import Critic, Policy, load_tokenizer, resolve_device, rollout_dtype
 from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
 from lorarl.trainer.rollout import Rollouts
 from lorarl.trainer.update import ActorUpdate, to_batch
@@ -38,9 +38,7 @@ class Trainer:
         self.output_dir = Path(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
         _check_settings(config)
         _seed_everything(t.seed)
-        self.device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if t.device == "auto" else t.device))  # fmt: skip
-        self.dp, self.device = setup_data_parallel(self.device)
+        self.dp, self.device = setup_data_parallel(resolve_device(t.device))
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         uses_critic = getattr(algorithms.ADVANTAGES[config.algorithm.adv_estimator], "needs_values", False)
         self.critic = Critic(config.critic, self.policy, self.device) if uses_critic else None
@@ -158,11 +156,8 @@ class Trainer:
                         metrics.update(self.evaluate())
                     log.log(step, metrics)
                     console.step_done(step, metrics)
-                    if self._stops(stop) and step < t.steps:
+                    if self._checkpoint_or_stop(step, stop):
                         stopped_at = step
-                    if self._saves_at(step) or stopped_at:
-                        self.save(step)
-                    if stopped_at:
                         break
         finally:
             self.engine.close()
@@ -184,10 +179,7 @@ class Trainer:
         with StopRequest(lambda text: None) as stop:
             for step in range(self.start_step + 1, t.steps + 1):
                 self.train_step(step)
-                stopping = self._stops(stop) and step < t.steps
-                if self._saves_at(step) or stopping:
-                    self.save(step)
-                if stopping:
+                if self._checkpoint_or_stop(step, stop):
                     break
         return {}
 
@@ -206,9 +198,14 @@ class Trainer:
             })  # fmt: skip
         return rows
 
-    def _stops(self, stop: StopRequest) -> bool:
-        """Whether the run stops after this step (Ctrl-C): rank 0's word, so that every rank stops at the same step."""
-        return self.dp.broadcast(stop.requested) if self.dp is not None else stop.requested
+    def _checkpoint_or_stop(self, step: int, stop: StopRequest) -> bool:
+        """After each step, on every rank: whether the run stops here (Ctrl-C before the last step; rank 0's word, so
+        that every rank stops at the same step), with a checkpoint then and at the `trainer.save_every` steps."""
+        requested = self.dp.broadcast(stop.requested) if self.dp is not None else stop.requested
+        stopping = requested and step < self.config.trainer.steps
+        if stopping or self._saves_at(step):
+            self.save(step)
+        return stopping
 
     def start_engine(self) -> RolloutEngine:
         """The rollout engine `rollout.*` describes (`engines.start_engine`), started and fed by this trainer."""

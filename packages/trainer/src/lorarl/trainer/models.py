@@ -20,6 +20,13 @@ from lorarl.trainer.schema import CriticSection, LoraSection, ModelSection
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(name: str) -> torch.device:
+    """`trainer.device`: auto (CUDA where there is one, else the CPU), cpu or cuda."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def rollout_dtype(name: str, training: torch.dtype, device: torch.device) -> torch.dtype:
     """The rollout engine's dtype (`rollout.dtype`). "auto" samples a float32 model in bfloat16 where the device
     computes it natively — as a vLLM engine serves bf16 while the trainer keeps fp32: on a 2-core AVX512-BF16 CPU the

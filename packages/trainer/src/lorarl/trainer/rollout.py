@@ -23,7 +23,7 @@ class Sample:
     score: float
     reward: float
     baseline: float | None = None  # the score of the prompt's greedy response (estimators that ask for one)
-    parts: rewards.Score | None = None  # the reward functions' own scores
+    scored: rewards.Score | None = None  # the reward functions' own scores, weighted into `score`
 
 
 class Rollouts:
@@ -56,7 +56,7 @@ class Rollouts:
             kept += [s for s, keep in zip(samples, informative.tolist(), strict=True) if keep]
             if len({s.group for s in kept}) >= batch_size:
                 break
-        metrics = rollout_metrics(drawn) | self.reward.metrics([s.parts for s in drawn if s.parts is not None])
+        metrics = rollout_metrics(drawn) | self.reward.metrics([s.scored for s in drawn if s.scored is not None])
         if a.dynamic_sampling:
             chosen = set(sorted({s.group for s in kept})[:batch_size])
             kept = [s for s in kept if s.group in chosen] or samples
