@@ -20,7 +20,10 @@ over the runs, of the wall time between the ends of consecutive steps after the 
 is JIT-built once per machine (then cached): it is built before the first run, so no compiler counts in a tree.
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
-        [--rollout-dtype auto|float32|bfloat16]
+        [--rollout-dtype auto|float32|bfloat16] [--device cpu|cuda]
+
+On a GPU (`--device cuda`) each side also reports the peak GPU memory torch allocated in its process (`*_cuda_peak_gb`;
+lorarl's engine is in that process).
 """
 
 import argparse
@@ -90,7 +93,7 @@ def make_model(case: Case, directory: Path) -> Path:
 # --- the two sides, each run in a process of its own ---------------------------------------------------------------
 
 
-def run_lorarl(case: Case, model: Path, output: Path, steps: int, rollout_dtype: str) -> dict:
+def run_lorarl(case: Case, model: Path, output: Path, steps: int, rollout_dtype: str, device: str) -> dict:
     from lorarl.trainer.config import load_config
     from lorarl.trainer.loop import Trainer
 
@@ -99,7 +102,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, rollout_dtype:
         f"data.batch_size={case.prompts}", f"rollout.n={GENERATIONS}", f"rollout.max_tokens={case.max_tokens}",
         f"actor.lr={case.lr}", f"rollout.dtype={rollout_dtype}",
         "algorithm.kl_coef=0", f"trainer.steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={output}",
-        f"trainer.seed={SEED}", "trainer.device=cpu",
+        f"trainer.seed={SEED}", f"trainer.device={device}",
     ])  # fmt: skip
     trainer = Trainer(config)
     ends, rewards = [], []
@@ -113,10 +116,15 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, rollout_dtype:
 
     trainer.train_step = timed_step
     trainer.run()
-    return {"step_ends": ends, "rewards": rewards, "rollout_dtype": str(trainer.rollout_dtype).removeprefix("torch.")}
+    return {
+        "step_ends": ends,
+        "rewards": rewards,
+        "rollout_dtype": str(trainer.rollout_dtype).removeprefix("torch."),
+        **cuda_peak(device),
+    }
 
 
-def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtype: str) -> dict:
+def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtype: str, device: str) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -147,7 +155,7 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtyp
         output_dir=str(output), max_steps=steps, per_device_train_batch_size=samples, gradient_accumulation_steps=1,
         num_generations=GENERATIONS, max_completion_length=case.max_tokens, temperature=1.0, top_p=1.0,
         learning_rate=case.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-        beta=0.0, loss_type="dapo", epsilon=0.2, bf16=False, gradient_checkpointing=False, use_cpu=True,
+        beta=0.0, loss_type="dapo", epsilon=0.2, bf16=False, gradient_checkpointing=False, use_cpu=device == "cpu",
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=SEED,
     )  # fmt: skip
     trainer = GRPOTrainer(
@@ -157,7 +165,19 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtyp
         callbacks=[Timing()],
     )  # fmt: skip
     trainer.train()
-    return {"step_ends": ends, "rewards": rewards, "rollout_dtype": "float32"}  # it samples with its training model
+    return {
+        "step_ends": ends,
+        "rewards": rewards,
+        "rollout_dtype": "float32",  # it samples with its training model
+        **cuda_peak(device),
+    }
+
+
+def cuda_peak(device: str) -> dict:
+    """The peak GPU memory torch allocated in this side's process (lorarl's engine too: rollout.worker=inline)."""
+    import torch
+
+    return {"cuda_peak_gb": torch.cuda.max_memory_allocated() / GB} if device == "cuda" else {}
 
 
 SIDES = {"lorarl": run_lorarl, "trl": run_trl}
@@ -182,13 +202,13 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, rollout_dtype: str) -> dict:
+def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, rollout_dtype: str, device: str) -> dict:
     """One run in a fresh process; its seconds per step (median interval after the warm-up) and peak tree RSS."""
     output = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{side}-"))
     result_file = output / "result.json"
     command = [sys.executable, __file__, "--worker", side, "--case", case.name, "--model", str(model),
                "--output", str(output), "--steps", str(steps), "--result", str(result_file),
-               "--rollout-dtype", rollout_dtype]  # fmt: skip
+               "--rollout-dtype", rollout_dtype, "--device", device]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = 0
     stderr: list[str] = []
@@ -208,17 +228,18 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, roll
         "peak_rss": peak,
         "rewards": result["rewards"],
         "rollout_dtype": result["rollout_dtype"],
+        "cuda_peak_gb": result.get("cuda_peak_gb"),
     }
 
 
-def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, rollout_dtype: str) -> dict:
+def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, rollout_dtype: str, device: str) -> dict:
     model = make_model(case, workdir)
     timed = max(2, case.steps // 3) if quick else case.steps
     steps = case.warmup + timed
     runs: dict[str, list[dict]] = {"lorarl": [], "trl": []}
     for _ in range(repeats):
         for side in ("lorarl", "trl"):  # interleaved: A, B, A, B
-            runs[side].append(run_side(side, case, model, workdir, steps, rollout_dtype))
+            runs[side].append(run_side(side, case, model, workdir, steps, rollout_dtype, device))
     out = {"case": case.name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
            "timed_steps": timed}  # fmt: skip
     for side, side_runs in runs.items():
@@ -228,6 +249,8 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, rollout_dty
         last = max(1, timed // 2)
         out[f"{side}_final_reward"] = statistics.mean(r for run in side_runs for r in run["rewards"][-last:])
         out[f"{side}_rollout_dtype"] = side_runs[0]["rollout_dtype"]
+        if device == "cuda":
+            out[f"{side}_cuda_peak_gb"] = max(r["cuda_peak_gb"] for r in side_runs)
     out["speedup"] = out["trl_s_per_step"] / out["lorarl_s_per_step"]
     out["memory_ratio"] = out["lorarl_peak_rss_gb"] / out["trl_peak_rss_gb"]
     return out
@@ -244,6 +267,7 @@ def main() -> None:
         choices=("auto", "float32", "bfloat16"),
         help="lorarl's rollout.dtype (TRL samples with its fp32 training model)",
     )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides train and sample")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -253,7 +277,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         side = SIDES[args.worker]
-        result = side(CASES[args.case], Path(args.model), Path(args.output), args.steps, args.rollout_dtype)
+        result = side(
+            CASES[args.case], Path(args.model), Path(args.output), args.steps, args.rollout_dtype, args.device
+        )
         Path(args.result).write_text(json.dumps(result))
         return
     names = args.cases.split(",")
@@ -263,7 +289,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lorarl.lora_merge import available_backends
 
-    available_backends("cpu")  # lorarl's C++ merge op is built on first use, then cached: not inside a timed run
+    available_backends(args.device)  # lorarl's C++ merge op is built on first use, then cached: not inside a timed run
     with tempfile.TemporaryDirectory(prefix="step_vs_trl-") as workdir:
         for name in names:
             print(
@@ -274,6 +300,7 @@ def main() -> None:
                         quick=args.quick,
                         repeats=args.repeats,
                         rollout_dtype=args.rollout_dtype,
+                        device=args.device,
                     )
                 ),
                 flush=True,

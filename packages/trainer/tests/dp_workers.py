@@ -28,8 +28,9 @@ def fixed_samples(groups: int = 6, n: int = 4) -> list[Sample]:
 
 
 def one_step(port: int, rank: int, world: int, setup: dict, output_dir: str, extra: dict) -> dict:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    if world > 1:  # (a world of one is the plain trainer, the reference: torchrun's variables would shard it)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))  # fmt: skip
     trainer = Trainer(load_config(None, tiny_overrides(setup, output_dir, **extra), presets=PRESETS))
     assert (trainer.dp is None) == (world == 1)
     trainer.rollouts.collect = lambda step, version: (fixed_samples(), {})  # the same batch whatever the world size

@@ -1,5 +1,6 @@
 """The processes of the shared-bucket tests: a producer posting buckets to a `BucketMailbox`, consumers taking them
-(as a colocated trainer and its engine's tensor-parallel workers do)."""
+(as a colocated trainer and its engine's tensor-parallel workers do). `device="cuda"` shares through CUDA IPC
+(`benchmarks/gpu_check.py` runs them so on a GPU)."""
 
 import os
 import signal
@@ -20,27 +21,30 @@ def mailbox(port: int, rank: int, consumers: int = 2, timeout: float = TIMEOUT) 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
     """An owned numpy copy (bf16 as its raw 16 bits): safe to return from a process."""
-    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy().copy()
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).cpu().numpy().copy()
 
 
-def producer(port: int, rank: int, timeout: float = TIMEOUT) -> list[tuple[int, int, int]]:
+def producer(port: int, rank: int, timeout: float = TIMEOUT, device: str = "cpu") -> list[tuple[int, int, int]]:
     """Two transfers of `mixed_tensors` in small buckets (the packed buffer reused many times)."""
     box = mailbox(port, rank, timeout=timeout)
-    share = {"device": "cpu", "bucket_bytes": SMALL_BUCKET, "direct_bytes": 4096}
-    return [
-        box.post(share_buckets(mixed_tensors(seed), version=version, **share)) for version, seed in ((3, 0), (4, 1))
-    ]
+    share = {"device": device, "bucket_bytes": SMALL_BUCKET, "direct_bytes": 4096}
+    transfers = []
+    for version, seed in ((3, 0), (4, 1)):
+        tensors = {name: tensor.to(device) for name, tensor in mixed_tensors(seed).items()}
+        transfers.append(box.post(share_buckets(tensors, version=version, **share)))
+    return transfers
 
 
-def consumer(port: int, rank: int) -> list[tuple[int | None, dict[str, np.ndarray]]]:
-    """Take both transfers; each tensor must be a tensor of its own (not a view of shared memory)."""
+def consumer(port: int, rank: int, device: str = "cpu") -> list[tuple[int | None, dict[str, np.ndarray]]]:
+    """Take both transfers; each tensor must be a tensor of its own (not a view of the producer's memory)."""
     box = mailbox(port, rank)
     transfers = []
     for _ in range(2):
         received = {}
-        for name, tensor in box.receive("cpu"):
+        for name, tensor in box.receive(device):
             assert name not in received, name
-            assert not tensor.is_shared(), name
+            assert tensor.device.type == device, name
+            assert device == "cuda" or not tensor.is_shared(), name  # (CUDA tensors always count as shared)
             received[name] = as_array(tensor)
         transfers.append((box.version, received))
     return transfers
@@ -71,9 +75,9 @@ def expect_error(port: int, rank: int) -> str:
     return "no error"
 
 
-def dying_consumer(port: int, rank: int) -> None:
+def dying_consumer(port: int, rank: int, device: str = "cpu") -> None:
     """Takes the first bucket, then dies (the test harness reports it as hung: it never answers)."""
-    for _ in mailbox(port, rank).receive("cpu"):
+    for _ in mailbox(port, rank).receive(device):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -30,6 +30,13 @@ from lorarl.trainer.update import ActorUpdate, to_batch
 from lorarl.trainer.weights import WeightSync, describe_choice
 
 
+def cuda_memory(device: torch.device) -> dict[str, float]:
+    """The peak GPU memory torch allocated in this process so far (an engine in a process of its own not counted)."""
+    if device.type != "cuda":
+        return {}
+    return {"memory/cuda_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+
+
 class Trainer:
     def __init__(self, config: Config, *, console=None):
         self.config = config
@@ -114,6 +121,7 @@ class Trainer:
             "timing/sync_s": time.perf_counter() - sync_started,
             "timing/step_s": time.perf_counter() - started,
             "sync/bytes": stats.bytes if stats is not None else 0,
+            **cuda_memory(self.device),
         }
 
     # --- the run -------------------------------------------------------------------------------------------------

@@ -49,10 +49,11 @@ class DataParallel:
 
 
 def setup_data_parallel(device: torch.device) -> tuple[DataParallel | None, torch.device]:
-    """Join the ranks `torchrun` started (WORLD_SIZE > 1): NCCL on GPU, gloo on CPU. Returns (None, device) alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    """Join the ranks `torchrun` started (it sets WORLD_SIZE; one rank too takes this path, sharded over itself): NCCL
+    on GPU, gloo on CPU. Returns (None, device) when not started by torchrun."""
+    if "WORLD_SIZE" not in os.environ:
         return None, device
+    world = int(os.environ["WORLD_SIZE"])
     from torch.distributed.device_mesh import init_device_mesh
 
     if device.type == "cuda":
