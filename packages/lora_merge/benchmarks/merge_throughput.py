@@ -6,7 +6,8 @@ Per layer case (shape, rank, dtype, backend):
   gbps               (bytes of W read + bytes of out written) / seconds
   ratio_to_copy      copy time / merge time, copy = `out.copy_(W)` on the same tensors: the memory-bandwidth bound
   ratio_to_roofline  roofline / merge time, roofline = max(copy time, 2·r·out·in / GEMM rate), the GEMM rate being
-                     `torch.mm` on 2048² matrices in the dtype the kernel computes in (fp32 here)
+                     `torch.mm` on 2048² matrices in the dtype the kernel computes in (`gemm_dtype`: bf16 for bf16
+                     factors in the C++ op on a CPU with AVX512-BF16, else fp32)
   speedup_vs_peft    peft's merge of the same layer (a real peft LoRA Linear: `get_delta_weight` + add) / merge time
   fresh_out_seconds  median time of `merge_lora(W, A, B, s)`: into a new tensor, as `iter_merged_weights` merges
   fresh_out_speedup  time of the same merge into a new `torch.empty_like(W)` / fresh_out_seconds (large CPU outputs
@@ -30,12 +31,14 @@ rank <= 128. It lists every case and metric below its target under "misses".
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -46,7 +49,7 @@ from lorarl.lora_merge._output import empty_output
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192)]
 QUICK_SHAPES = [(4096, 4096), (4096, 11008)]
 RANKS = [8, 32, 128]
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_WARMUP_SECONDS = 0.02  # each CPU timing follows this long of calls to the same function (see cpu_seconds)
 # The issue's targets. CPU: the default backend at rank <= 32 reaches this share of the roofline and is this many
 # times faster than peft. GPU: Triton and the CUDA op reach this share of the copy's bandwidth at rank <= 128.
@@ -130,55 +133,77 @@ def merge_into_empty_like(
 
 
 def layer_cases(args: argparse.Namespace, device: torch.device):
-    gemm_a = torch.randn(2048, 2048, device=device)
-    gemm_b = torch.randn(2048, 2048, device=device)
-    gemm_out = torch.empty(2048, 2048, device=device)
+    gemm = {  # torch.mm on 2048² matrices in each dtype a kernel may compute in
+        dtype: functools.partial(torch.mm, *(torch.randn(2048, 2048, device=device).to(dtype) for _ in range(2)),
+                                 out=torch.empty(2048, 2048, device=device, dtype=dtype))
+        for dtype in (torch.float32, torch.bfloat16)
+    }  # fmt: skip
     backends = [b for b in available_backends(device) if b != "triton" or device.type == "cuda"]
     backends = [b for b in backends if args.backends is None or b in args.backends]
-    factor_dtype = DTYPES[args.factor_dtype]
-    for shape in QUICK_SHAPES if args.quick else SHAPES:
-        for dtype_name, dtype in DTYPES.items():
-            weight = torch.randn(shape, device=device).to(dtype)
-            out = empty_output(weight.shape, weight.dtype, weight.device)
-            for rank in RANKS:
-                lora_A = (torch.randn(rank, shape[1], device=device) / rank**0.5).to(factor_dtype)
-                lora_B = (torch.randn(shape[0], rank, device=device) * 0.01).to(factor_dtype)
-                alpha = 2 * rank
-                scale = alpha / rank
-                with torch.no_grad():
-                    layer = peft_layer(weight, lora_A, lora_B, alpha)
-                for backend in backends:
-                    fns = {
-                        "merge": functools.partial(merge_lora, weight, lora_A, lora_B, scale, out=out, backend=backend),
-                        "copy": functools.partial(out.copy_, weight),
-                        "peft": functools.partial(peft_merge, layer, weight, out),
-                        "fresh": functools.partial(merge_lora, weight, lora_A, lora_B, scale, backend=backend),
-                        "fresh_torch": functools.partial(merge_into_empty_like, weight, lora_A, lora_B, scale, backend),
-                        "gemm": functools.partial(torch.mm, gemm_a, gemm_b, out=gemm_out),
-                    }
-                    with torch.no_grad():
-                        t = interleaved(fns, device, args.min_seconds, args.min_reps)
-                    gemm_rate = 2 * 2048**3 / t["gemm"]
-                    roofline = max(t["copy"], 2 * rank * shape[0] * shape[1] / gemm_rate)
-                    moved = weight.numel() * (weight.element_size() + out.element_size())
-                    yield {
-                        "case": "layer",
-                        "backend": backend,
-                        "shape": list(shape),
-                        "rank": rank,
-                        "dtype": dtype_name,
-                        "factor_dtype": args.factor_dtype,
-                        "seconds": t["merge"],
-                        "gbps": moved / t["merge"] / 1e9,
-                        "ratio_to_copy": t["copy"] / t["merge"],
-                        "ratio_to_roofline": roofline / t["merge"],
-                        "speedup_vs_peft": t["peft"] / t["merge"],
-                        "fresh_out_seconds": t["fresh"],
-                        "fresh_out_speedup": t["fresh_torch"] / t["fresh"],
-                        "copy_seconds": t["copy"],
-                        "peft_seconds": t["peft"],
-                        "gemm_gflops": gemm_rate / 1e9,
-                    }
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    for shape, dtype_name, rank, factor_name in itertools.product(shapes, DTYPES, RANKS, args.factor_dtypes):
+        if factor_name != "fp32" and shape != shapes[0]:
+            continue  # the other factor dtypes on the first shape only (the run's length)
+        dtype, factor_dtype = DTYPES[dtype_name], DTYPES[factor_name]
+        weight = torch.randn(shape, device=device).to(dtype)
+        out = empty_output(weight.shape, weight.dtype, weight.device)
+        lora_A = (torch.randn(rank, shape[1], device=device) / rank**0.5).to(factor_dtype)
+        lora_B = (torch.randn(shape[0], rank, device=device) * 0.01).to(factor_dtype)
+        alpha = 2 * rank
+        scale = alpha / rank
+        with torch.no_grad():
+            layer = peft_layer(weight, lora_A, lora_B, alpha)
+        for backend in backends:
+            if factor_name != "fp32" and backend == "torch":
+                continue  # other factor dtypes: the compiled kernels only
+            fns = {
+                "merge": functools.partial(merge_lora, weight, lora_A, lora_B, scale, out=out, backend=backend),
+                "copy": functools.partial(out.copy_, weight),
+                "peft": functools.partial(peft_merge, layer, weight, out),
+                "fresh": functools.partial(merge_lora, weight, lora_A, lora_B, scale, backend=backend),
+                "fresh_torch": functools.partial(merge_into_empty_like, weight, lora_A, lora_B, scale, backend),
+                "gemm": gemm[computes_in(backend, device, factor_dtype, rank)],
+            }
+            with torch.no_grad():
+                t = interleaved(fns, device, args.min_seconds, args.min_reps)
+            gemm_rate = 2 * 2048**3 / t["gemm"]
+            roofline = max(t["copy"], 2 * rank * shape[0] * shape[1] / gemm_rate)
+            moved = weight.numel() * (weight.element_size() + out.element_size())
+            yield {
+                "case": "layer",
+                "backend": backend,
+                "shape": list(shape),
+                "rank": rank,
+                "dtype": dtype_name,
+                "factor_dtype": factor_name,
+                "seconds": t["merge"],
+                "gbps": moved / t["merge"] / 1e9,
+                "ratio_to_copy": t["copy"] / t["merge"],
+                "ratio_to_roofline": roofline / t["merge"],
+                "speedup_vs_peft": t["peft"] / t["merge"],
+                "fresh_out_seconds": t["fresh"],
+                "fresh_out_speedup": t["fresh_torch"] / t["fresh"],
+                "copy_seconds": t["copy"],
+                "peft_seconds": t["peft"],
+                "gemm_dtype": str(computes_in(backend, device, factor_dtype, rank)).removeprefix("torch."),
+                "gemm_gflops": gemm_rate / 1e9,
+            }
+
+
+def computes_in(backend: str, device: torch.device, factor_dtype: torch.dtype, rank: int) -> torch.dtype:
+    """The dtype of the kernel's multiply-adds: bf16 pairs for bf16 factors of an even rank in the C++ op on a CPU
+    with AVX512-BF16, fp32 otherwise."""
+    bf16_pairs = backend == "cpp" and device.type == "cpu" and factor_dtype == torch.bfloat16 and rank % 2 == 0
+    return torch.bfloat16 if bf16_pairs and "avx512_bf16" in cpu_flags() else torch.float32
+
+
+@functools.cache
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 def target_misses(cases: list[dict], device_type: str, cpu_default_backend: str) -> tuple[int, list[dict]]:
@@ -279,7 +304,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model case")
     parser.add_argument(
-        "--factor-dtype", choices=DTYPES, default="fp32", help="dtype of lora_A/lora_B (peft keeps them in fp32)"
+        "--factor-dtypes",
+        nargs="+",
+        choices=DTYPES,
+        default=list(DTYPES),
+        help="dtypes of lora_A/lora_B (peft keeps them in fp32; others: on the first shape, compiled kernels only)",
     )
     parser.add_argument("--backends", nargs="+", help="only these backends (default: every available one)")
     args = parser.parse_args()

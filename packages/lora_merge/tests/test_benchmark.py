@@ -28,17 +28,22 @@ def case(backend: str, rank: int, **metrics: float) -> dict:
 def test_layer_cases_run_every_backend_on_a_tiny_layer(bench, monkeypatch):
     monkeypatch.setattr(bench, "QUICK_SHAPES", [(96, 160)])
     monkeypatch.setattr(bench, "RANKS", [8])
-    args = argparse.Namespace(quick=True, backends=None, factor_dtype="fp32", min_seconds=0.0, min_reps=2)
+    args = argparse.Namespace(quick=True, backends=None, factor_dtypes=list(bench.DTYPES), min_seconds=0.0, min_reps=2)
     cases = list(bench.layer_cases(args, torch.device("cpu")))
     backends = [b for b in bench.available_backends("cpu") if b != "triton"]
-    assert sorted({(c["backend"], c["dtype"]) for c in cases}) == sorted((b, d) for b in backends for d in bench.DTYPES)
+    combinations = {(c["backend"], c["dtype"], c["factor_dtype"]) for c in cases}
+    assert {(b, d) for b, d, f in combinations if f == "fp32"} == {(b, d) for b in backends for d in bench.DTYPES}
+    compiled = [b for b in backends if b != "torch"]  # every weight x factor dtype, on the compiled kernels
+    assert {(b, d, f) for b, d, f in combinations if b != "torch"} == {
+        (b, d, f) for b in compiled for d in bench.DTYPES for f in bench.DTYPES
+    }
     for c in cases:
         assert (c["shape"], c["rank"]) == ([96, 160], 8)
         metrics = ("seconds", "gbps", "ratio_to_copy", "ratio_to_roofline", "speedup_vs_peft", "fresh_out_speedup")
         assert all(c[k] > 0 for k in metrics)
         assert c["ratio_to_roofline"] >= c["ratio_to_copy"]  # the roofline is never below the copy
     checked, _ = bench.target_misses(cases, "cpu", "cpp")
-    assert checked == (len(bench.DTYPES) if "cpp" in backends else 0)
+    assert checked == (len(bench.DTYPES) ** 2 if "cpp" in backends else 0)
 
 
 def test_model_case_runs_on_a_tiny_model(bench):

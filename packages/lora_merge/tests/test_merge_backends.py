@@ -76,6 +76,17 @@ def test_fan_in_fan_out_and_factor_dtypes(backend, device, factor_dtype):
 
 
 @pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rank", [7, 16, 64])  # even ranks: the C++ op multiplies bf16 factors in pairs (AVX512-BF16)
+def test_bf16_factors_match_float64_reference(backend, device, dtype, rank):
+    shape = (130, 257)  # whole micro-tiles, a partial one, and edge columns
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(14)).to(dtype).to(device)
+    lora_A, lora_B = factors(shape, rank, dtype=torch.bfloat16, seed=15, device=device)
+    got = merge_lora(weight, lora_A, lora_B, -0.3, backend=backend)
+    assert_merged_close(got, weight, lora_A, lora_B, -0.3)
+
+
+@pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
 def test_out_in_another_dtype_is_rounded_once_from_the_exact_value(backend, device):
     weight = torch.randn(70, 90, generator=torch.Generator().manual_seed(3)).to(device)  # fp32 master weight → bf16
     lora_A, lora_B = factors(weight.shape, 16, device=device)
