@@ -6,8 +6,9 @@ Per case (payload, bucket size):
                           transfer header, buckets, final status), tensor bytes / seconds
   ratio_to_raw            time of one `broadcast` of a single preallocated buffer holding the same bytes / seconds
   speedup_vs_per_tensor   time of broadcasting tensor by tensor (as TRL/OpenRLHF do) / seconds
-  receive_ratio_to_raw    the same ratio for the iterator path: `BucketReceiver.receive()`, each tensor copied into
-                          the preallocated one of its name (as vLLM's `load_weights` copies what it is given)
+  receive_ratio_to_raw    the same ratio for the iterator path, `BucketReceiver.receive()`, its tensors taken
+  receive_copy_ratio_to_raw  ... and each copied into the preallocated one of its name (as vLLM's `load_weights`
+                          copies what it is given)
 The receiver loads into preallocated tensors of the same names (`load_into` a module, as a rollout engine does),
 like the baselines, which also receive into preallocated memory.
 
@@ -92,14 +93,17 @@ class Engine(torch.nn.Module):
 
 
 def bucketed(sender: BucketSender | None, receiver: BucketReceiver | None, tensors: dict[str, torch.Tensor],
-             iterate: bool = False) -> None:  # fmt: skip
+             consumer: str = "load_into") -> None:  # fmt: skip
+    """One transfer; the receiving side `load_into` a module, or iterates `receive()` copying each tensor into its
+    preallocated one ("receive_copy", as vLLM's `load_weights` does) or only taking it ("receive")."""
     if sender is not None:
         sender.send(tensors, version=1)
-    elif iterate:
-        for name, tensor in receiver.receive():
-            tensors[name].copy_(tensor)
-    else:
+    elif consumer == "load_into":
         receiver.load_into(Engine(tensors))
+    else:
+        for name, tensor in receiver.receive():
+            if consumer == "receive_copy":
+                tensors[name].copy_(tensor)
 
 
 def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, gloo_threads: int, results) -> None:
@@ -131,21 +135,21 @@ def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, gloo_
             "raw": [],
             "per_tensor": [],
             **{b: [] for b in bucket_sizes},
-            **{(b, "receive"): [] for b in bucket_sizes},
+            **{(b, consumer): [] for b in bucket_sizes for consumer in ("receive", "receive_copy")},
         }
         for _ in range(repeats):  # every measurement in turn, so drift hits all alike
             times["raw"].append(timed(group, functools.partial(broadcast, group, raw)))
             times["per_tensor"].append(timed(group, functools.partial(per_tensor, group, tensors)))
             for b in bucket_sizes:
-                for key, iterate in ((b, False), ((b, "receive"), True)):
-                    times[key].append(
-                        timed(
-                            group,
-                            functools.partial(
-                                bucketed, sender and sender[b], receiver and receiver[b], tensors, iterate
-                            ),
-                        )
+                for key, consumer in (
+                    (b, "load_into"),
+                    ((b, "receive"), "receive"),
+                    ((b, "receive_copy"), "receive_copy"),
+                ):
+                    transfer = functools.partial(
+                        bucketed, sender and sender[b], receiver and receiver[b], tensors, consumer
                     )
+                    times[key].append(timed(group, transfer))
         if rank == 0:
             median = {k: statistics.median(v) for k, v in times.items()}
             for b in bucket_sizes:
@@ -156,6 +160,7 @@ def run(rank: int, port: int, backend: str, quick: bool, direct_mb: float, gloo_
                     "ratio_to_raw": round(median["raw"] / median[b], 3),
                     "speedup_vs_per_tensor": round(median["per_tensor"] / median[b], 2),
                     "receive_ratio_to_raw": round(median["raw"] / median[(b, "receive")], 3),
+                    "receive_copy_ratio_to_raw": round(median["raw"] / median[(b, "receive_copy")], 3),
                     "raw_seconds": round(median["raw"], 4), "per_tensor_seconds": round(median["per_tensor"], 4),
                 })  # fmt: skip
         del tensors, raw
