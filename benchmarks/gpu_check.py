@@ -512,7 +512,7 @@ def run_check(name: str, ctx: Context, limit_s: float) -> dict:
     return {"seconds": round(time.monotonic() - started, 1), **outcome}
 
 
-def in_child(name: str, ctx: Context, result: Path, function: Callable[[Context], dict]) -> None:
+def in_child(ctx: Context, result: Path, function: Callable[[Context], dict]) -> None:
     """The body of a check's process: the checks may import the tests' references and the benchmarks' helpers."""
     for folder in ("packages/lora_merge/tests", "packages/lora_merge/benchmarks", "packages/weight_sync/tests",
                    "benchmarks"):  # fmt: skip
@@ -559,7 +559,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(args.device, args.smoke, args.out.resolve())
     if args.check or args.fsdp_rank:
-        in_child(args.check, ctx, args.result, fsdp_rank if args.fsdp_rank else CHECKS[args.check][0])
+        in_child(ctx, args.result, fsdp_rank if args.fsdp_rank else CHECKS[args.check][0])
         return 0
     names = args.only.split(",") if args.only else list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]
