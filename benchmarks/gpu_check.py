@@ -5,6 +5,10 @@ nothing else (no uv, no package registry, no vLLM). From the root of a checkout:
     PYTHONPATH=packages/lora_merge/src:packages/padding/src:packages/weight_sync/src:packages/trainer/src \\
         python3 benchmarks/gpu_check.py --out gpu-check
 
+The trainer's pure-Python dependencies such a machine lacks are packed beforehand, where they are installed, by
+`uv run python benchmarks/gpu_check.py --pack-vendor` into `gpu-vendor/` (git-ignored: carried beside the checkout);
+the checks find them there.
+
 Each check runs in a process of its own under a time limit, so one that fails, hangs or crashes the GPU does not
 hide the others; together they fit `--budget` seconds (default 540), and checks that no longer fit are listed as not
 run (`--only NAME,...` runs them in a second call). Written to `--out`: `gpu_check.json` (the environment and each
@@ -38,6 +42,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +53,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "packages" / name / "src" for name in ("lora_merge", "padding", "weight_sync", "trainer")]
+# The trainer's pure-Python dependencies a bare GPU machine lacks (its binary ones it has: numpy, PyYAML, tokenizers;
+# matplotlib, for plots only, is optional): `--pack-vendor` copies them into `--vendor` from this environment, and
+# the checks import them from there (after the packages' sources on PYTHONPATH).
+VENDORED = ("omegaconf", "rich", "markdown-it-py", "mdurl", "pygments")
 DEFAULT_BUDGET_S = 540.0  # a device call may last 10 minutes; the rest is the machine's start and the transfers
 
 
@@ -456,7 +465,8 @@ def default_trainer(ctx: Context, name: str, **overrides):
 
 
 def child_env() -> dict[str, str]:
-    """This environment with the packages' sources first on PYTHONPATH (as the documented command sets it)."""
+    """This environment with the packages' sources first on PYTHONPATH (as the documented command sets it; `main`
+    has put the vendored dependencies at its end)."""
     paths = [str(p) for p in SOURCES] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.environ | {"PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -490,6 +500,24 @@ def run_script(ctx: Context, name: str, command: list) -> list[dict]:
     if done.returncode != 0:
         raise AssertionError(f"{name} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def pack_vendor(directory: Path) -> list[str]:
+    """Copy the installed files of the VENDORED distributions (pure Python: refused otherwise) into `directory`, with
+    their metadata; returns `name version` of each."""
+    packed = []
+    for name in VENDORED:
+        dist = importlib.metadata.distribution(name)
+        files = [f for f in dist.files or [] if f.parts[0] != ".." and "__pycache__" not in f.parts]
+        binary = [str(f) for f in files if f.suffix in (".so", ".pyd", ".dylib")]
+        if binary:
+            raise SystemExit(f"--pack-vendor: {name} is not pure Python ({binary[0]})")
+        for file in files:
+            target = directory / file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(dist.locate_file(file), target)
+        packed.append(f"{name} {dist.version}")
+    return packed
 
 
 # --- the runner ----------------------------------------------------------------------------------------------------
@@ -543,7 +571,10 @@ def summary(report: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path, help="directory for gpu_check.json, gpu_check.md, logs")
+    parser.add_argument("--out", type=Path, help="directory for gpu_check.json, gpu_check.md, logs (required)")
+    parser.add_argument("--vendor", type=Path, default=ROOT / "gpu-vendor", help="vendored dependencies (if present)")
+    vendored = ", ".join(VENDORED)
+    parser.add_argument("--pack-vendor", action="store_true", help=f"copy {vendored} into --vendor, then stop")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU")
     parser.add_argument("--smoke", action="store_true", help="tiny models and runs (the test suite's CPU mode)")
     parser.add_argument("--only", help=f"comma-separated checks, from: {', '.join(CHECKS)}")
@@ -552,6 +583,14 @@ def main() -> int:
     parser.add_argument("--fsdp-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pack_vendor:
+        print(f"packed into {args.vendor}: {', '.join(pack_vendor(args.vendor))}")
+        return 0
+    if args.vendor.is_dir() and not (args.check or args.fsdp_rank):  # every check's process inherits it
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, str(args.vendor.resolve())])
+    if args.out is None:
+        parser.error("--out is required")
     if args.device is None:
         import torch
 

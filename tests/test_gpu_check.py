@@ -1,5 +1,6 @@
 """`benchmarks/gpu_check.py` in its CPU mode, run as the README tells a GPU machine to run it (python, PYTHONPATH on
-the packages' sources, no uv): every check passes or says why it skipped, and a failing check hides none of the
+the packages' sources, no uv) in an environment stripped to what such a machine has (`bare_gpu_machine`) plus the
+vendored pure-Python dependencies: every check passes or says why it skipped, and a failing check hides none of the
 others."""
 
 import json
@@ -12,20 +13,37 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = os.pathsep.join(
-    str(ROOT / "packages" / p / "src") for p in ("lora_merge", "padding", "weight_sync", "trainer")
-)
+SOURCES = [str(ROOT / "packages" / p / "src") for p in ("lora_merge", "padding", "weight_sync", "trainer")]
+BARE = os.pathsep.join([*SOURCES, str(ROOT / "tests" / "bare_gpu_machine")])
 
 
-def gpu_check(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    env = os.environ | {"PYTHONPATH": SOURCES}
+def gpu_check(out: Path, *args: str, pythonpath: str = BARE) -> tuple[subprocess.CompletedProcess, dict]:
+    env = os.environ | {"PYTHONPATH": pythonpath}
     done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(out), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=540)  # fmt: skip
     return done, json.loads((out / "gpu_check.json").read_text())
 
 
-def test_the_cpu_mode_runs_every_check(tmp_path):
-    done, report = gpu_check(tmp_path, "--device", "cpu", "--smoke")
+@pytest.fixture(scope="module")
+def vendor(tmp_path_factory) -> Path:
+    """The vendored dependencies, packed from this environment (as before a GPU session)."""
+    directory = tmp_path_factory.mktemp("vendor")
+    command = [sys.executable, "benchmarks/gpu_check.py", "--pack-vendor", "--vendor", str(directory)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=60)
+    return directory
+
+
+def test_the_bare_machine_lacks_what_a_gpu_machine_lacks(vendor):
+    probe = "import importlib.util as u; print([n for n in ('omegaconf', 'rich', 'matplotlib') if u.find_spec(n)])"
+    for pythonpath, found in ((BARE, []), (os.pathsep.join([BARE, str(vendor)]), ["omegaconf", "rich"])):
+        done = subprocess.run([sys.executable, "-c", probe], env=os.environ | {"PYTHONPATH": pythonpath},
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        assert done.stdout.strip() == str(found)
+    assert not list(vendor.rglob("*.so"))  # pure Python: it runs on any machine's python3
+
+
+def test_the_cpu_mode_runs_every_check(tmp_path, vendor):
+    done, report = gpu_check(tmp_path, "--device", "cpu", "--smoke", "--vendor", str(vendor))
     assert done.returncode == 0, done.stdout + done.stderr
     checks = report["checks"]
     assert list(checks) == ["environment", "merge_kernels", "streaming", "ipc_mailbox", "hf_engine", "trainer_default",
@@ -48,12 +66,15 @@ def test_the_cpu_mode_runs_every_check(tmp_path):
     for name, check in checks.items():
         assert f"| {name} | {check['status']} |" in summary
     assert (tmp_path / "trainer-default" / "metrics.jsonl").is_file()
+    assert "matplotlib is not installed" in (tmp_path / "trainer-default.log").read_text()  # runs without plots
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA, where CUDA checks fail")
 def test_a_failing_check_hides_none_of_the_others(tmp_path):
     only = "streaming,environment,trainer_default"
-    done, report = gpu_check(tmp_path, "--device", "cuda", "--smoke", "--only", only)
+    done, report = gpu_check(
+        tmp_path, "--device", "cuda", "--smoke", "--only", only, pythonpath=os.pathsep.join(SOURCES)
+    )
     assert done.returncode == 1
     checks = report["checks"]
     assert list(checks) == only.split(",")
@@ -65,7 +86,16 @@ def test_a_failing_check_hides_none_of_the_others(tmp_path):
 
 
 def test_checks_that_no_longer_fit_the_budget_are_listed_not_run(tmp_path):
-    done, report = gpu_check(tmp_path, "--device", "cpu", "--only", "environment,streaming", "--budget", "5")
+    done, report = gpu_check(
+        tmp_path,
+        "--device",
+        "cpu",
+        "--only",
+        "environment,streaming",
+        "--budget",
+        "5",
+        pythonpath=os.pathsep.join(SOURCES),
+    )
     assert done.returncode == 0
     assert {c["status"] for c in report["checks"].values()} == {"not run"}
     assert "--budget of 5 s was spent" in report["checks"]["streaming"]["reason"]

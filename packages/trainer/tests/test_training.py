@@ -3,6 +3,7 @@ fed by weight_sync, resuming repeats an uninterrupted run, exports equal peft's 
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,15 @@ def test_outputs_are_where_design_says(trained):
     assert (adapter / "adapter_model.safetensors").is_file()
     for plot in ("reward", "response_length", "val_accuracy"):
         assert (trained / "plots" / f"{plot}.png").stat().st_size > 1000
+
+
+def test_without_matplotlib_the_run_warns_and_writes_no_plots(trained, tmp_path, monkeypatch):
+    from lorarl.trainer.metrics import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError, as on a bare machine
+    with pytest.warns(UserWarning, match="matplotlib is not installed"):
+        assert plot(trained / "metrics.jsonl", tmp_path / "plots") == []
+    assert not (tmp_path / "plots").exists()
 
 
 def test_samples_show_what_the_model_wrote_and_what_training_made_of_it(trained):

@@ -5,6 +5,7 @@ step, with what training made of them)."""
 import hashlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 from lorarl.trainer.errors import TrainerError
@@ -96,8 +97,13 @@ def read(path: Path) -> list[dict]:
 
 
 def plot(metrics_file: Path, out_dir: Path) -> list[Path]:
-    """One PNG per curve of PLOTS (against step), from metrics.jsonl."""
-    import matplotlib
+    """One PNG per curve of PLOTS (against step), from metrics.jsonl; none where matplotlib is missing (a bare GPU
+    machine), with a warning: metrics.jsonl holds every curve all the same."""
+    try:
+        import matplotlib
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no plots (metrics.jsonl holds every curve)", stacklevel=2)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
