@@ -229,7 +229,7 @@ def ipc_mailbox(ctx: Context) -> dict:
                     raise AssertionError(f"consumer {rank}, version {version}: {name} is not bit-identical")
     killed = [partial(s.producer, timeout=3, device=ctx.device), partial(s.dying_consumer, device=ctx.device),
               partial(s.consumer, device=ctx.device)]  # fmt: skip
-    outcome = run_group(killed, join=False, deadline=10)  # the dead one is reported hung at the deadline
+    outcome = run_group(killed, join=False, deadline=6)  # the dead one is reported hung at the deadline
     if outcome[0][0] != "error" or "did not finish within 3 s" not in outcome[0][1]:
         raise AssertionError(f"a killed consumer: the producer gave {outcome[0]}")
     return {"consumers": 2, "versions": 2, "tensors": len(expected),

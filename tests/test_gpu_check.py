@@ -71,7 +71,7 @@ def test_the_cpu_mode_runs_every_check(tmp_path, vendor):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA, where CUDA checks fail")
 def test_a_failing_check_hides_none_of_the_others(tmp_path):
-    only = "streaming,environment,trainer_default"
+    only = "streaming,environment,hf_engine"
     done, report = gpu_check(
         tmp_path, "--device", "cuda", "--smoke", "--only", only, pythonpath=os.pathsep.join(SOURCES)
     )
@@ -79,7 +79,7 @@ def test_a_failing_check_hides_none_of_the_others(tmp_path):
     checks = report["checks"]
     assert list(checks) == only.split(",")
     assert checks["environment"]["status"] == "ok"
-    for name in ("streaming", "trainer_default"):
+    for name in ("streaming", "hf_engine"):
         assert checks[name]["status"] == "failed"
         assert "cuda" in checks[name]["error"].lower(), checks[name]["error"]
     assert "| streaming | failed |" in (tmp_path / "gpu_check.md").read_text()
