@@ -108,12 +108,14 @@ def merge_kernels(ctx: Context) -> dict:
     from lorarl.lora_merge import available_backends, merge_lora
 
     device = torch.device(ctx.device)
+    started = time.perf_counter()
     backends = [b for b in available_backends(device) if b != "triton" or device.type == "cuda"]
+    build_s = round(time.perf_counter() - started, 1)  # the C++ (and CUDA) op's JIT build, or loading its cache
     shapes = [(130, 257)] if ctx.smoke else [(130, 257), (1024, 4096)]
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     # the largest error of lorarl's merge and of peft's against float64: in ulps of the result for 16-bit weights;
     # for fp32 relative to the terms' size |W| + |s|·|B||A| (they may cancel to a result far below an ulp of them)
-    figures: dict = {"backends": backends, "first_call_s": {}, "cases": 0, "worst_error": {}}
+    figures: dict = {"backends": backends, "cpp_build_s": build_s, "first_call_s": {}, "cases": 0, "worst_error": {}}
     failures = []
     generator = torch.Generator().manual_seed(0)
     for backend in backends:
@@ -127,7 +129,7 @@ def merge_kernels(ctx: Context) -> dict:
                     on_device = [t.to(device) for t in (weight, lora_A, lora_B)]
                     started = time.perf_counter()
                     got = merge_lora(*on_device, 2.0, backend=backend).cpu()
-                    if backend not in figures["first_call_s"]:  # the JIT build or compilation, on the first call
+                    if backend not in figures["first_call_s"]:  # Triton compiles (and autotunes) on its first call
                         figures["first_call_s"][backend] = round(time.perf_counter() - started, 2)
                     figures["cases"] += 1
                     case = f"{backend} {shape[0]}x{shape[1]} W {w_name} factors {f_name}"
