@@ -19,8 +19,7 @@ The checks, in the order they run:
   environment      GPU, driver, CUDA, and the versions of torch, triton, transformers, peft, nvcc
   merge_kernels    every merge backend (Triton and the C++/CUDA op JIT-built with nvcc/ninja on a GPU) for bf16, fp16
                    and fp32 weights x bf16 and fp32 factors, against a float64 reference (one rounding) and peft
-  streaming        `iter_merged_weights` of a Qwen2-0.5B-shaped bf16 model vs peft's `merge_and_unload`, and timed
-                   against peft's merge + unmerge
+  streaming        `iter_merged_weights` of a Qwen2-0.5B-shaped bf16 model vs peft's `merge_and_unload`
   ipc_mailbox      the bucket mailbox between a producer and two consumer processes (CUDA IPC on a GPU): two
                    versions bit-identical, and a killed consumer makes the producer raise within its timeout
   hf_engine        the HF rollout engine, in the trainer's process and in one of its own: after a step its weights
@@ -29,7 +28,8 @@ The checks, in the order they run:
   trainer_smollm2  a random SmolLM2-135M-shaped model in bf16, 20 steps on a reward it can learn: the reward must rise
   fsdp_one_rank    the data-parallel code path under torchrun with one rank (FSDP2 over NCCL on a GPU): two steps,
                    and the engine holds the merge of the sharded model bit for bit
-  merge_throughput `packages/lora_merge/benchmarks/merge_throughput.py --quick` on the device (its JSON lines kept)
+  merge_throughput `packages/lora_merge/benchmarks/merge_throughput.py --quick` on the device (its JSON lines kept):
+                   every layer case, and whole models streamed against peft's merge + unmerge
   step_vs_trl      `benchmarks/step_vs_trl.py --quick` on the device, if TRL and `datasets` import; skipped if not
 
 `--device cpu` runs the same checks on the CPU (Triton left out; shared memory stands in for CUDA IPC); `--smoke`
@@ -160,6 +160,7 @@ def streaming(ctx: Context) -> dict:
 
     import torch
     from merge_reference import assert_merged_close
+    from merge_throughput import random_bf16_model, whole_models
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
     from transformers import Qwen2Config
@@ -167,13 +168,12 @@ def streaming(ctx: Context) -> dict:
     from lorarl.lora_merge import iter_merged_weights
 
     if ctx.smoke:
-        size = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "vocab_size": 1000}  # fmt: skip
-    else:  # Qwen2.5-0.5B's
-        size = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-                "num_key_value_heads": 2, "vocab_size": 151936}  # fmt: skip
+        config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+    else:
+        config = whole_models()["qwen2-0.5b-shaped"]
     torch.manual_seed(0)
-    base = random_model(Qwen2Config(**size, tie_word_embeddings=True), torch.bfloat16, ctx.device)
+    base = random_bf16_model(config, torch.device(ctx.device))
     model = get_peft_model(base, LoraConfig(r=32, lora_alpha=64, target_modules="all-linear", init_lora_weights=False))
     layers = {name.removeprefix("base_model.model.") + ".weight": m for name, m in model.named_modules()
               if isinstance(m, LoraLinear)}  # fmt: skip
@@ -192,26 +192,13 @@ def streaming(ctx: Context) -> dict:
                 raise AssertionError(f"{name}: more than an ulp from merge_and_unload")
         elif not torch.equal(tensor, reference[name]):
             raise AssertionError(f"{name}: not LoRA-merged, yet differs from merge_and_unload")
-
-    def stream() -> None:
-        for _ in iter_merged_weights(model):
-            pass
-
-    def peft_merge_unmerge() -> None:
-        model.merge_adapter()
-        model.unmerge_adapter()
-
-    with torch.no_grad():
-        stream_s, peft_s = (device_seconds(fn, ctx.device) for fn in (stream, peft_merge_unmerge))
-    return {"tensors": len(merged), "lora_layers": len(layers), "bytes": sum(t.nbytes for t in merged.values()),
-            "stream_s": round(stream_s, 5), "peft_merge_unmerge_s": round(peft_s, 5),
-            "speedup_vs_peft": round(peft_s / stream_s, 2)}  # fmt: skip
+    # (its speed against peft's merge + unmerge: merge_throughput's whole-model cases)
+    return {"tensors": len(merged), "lora_layers": len(layers), "bytes": sum(t.nbytes for t in merged.values())}
 
 
 def ipc_mailbox(ctx: Context) -> dict:
     from functools import partial
 
-    import numpy as np
     import shared_workers as s
     from sync_processes import run_group
     from sync_workers import mixed_tensors
@@ -222,24 +209,18 @@ def ipc_mailbox(ctx: Context) -> dict:
         if status != "ok":
             raise AssertionError(f"rank {rank} {status}: {value}")
     for rank in (1, 2):
-        for (version, received), want, seed in zip(outcome[rank][1], (3, 4), (0, 1), strict=True):
-            expected = mixed_tensors(seed)
-            if version != want or set(received) != set(expected):
-                raise AssertionError(f"consumer {rank}: version {version} (want {want}), names {sorted(received)}")
-            for name, tensor in expected.items():
-                if not np.array_equal(received[name], s.as_array(tensor.contiguous())):
-                    raise AssertionError(f"consumer {rank}, version {version}: {name} is not bit-identical")
+        s.check_two_transfers(outcome[rank][1])
     killed = [partial(s.producer, timeout=3, device=ctx.device), partial(s.dying_consumer, device=ctx.device),
               partial(s.consumer, device=ctx.device)]  # fmt: skip
     outcome = run_group(killed, join=False, deadline=6)  # the dead one is reported hung at the deadline
     if outcome[0][0] != "error" or "did not finish within 3 s" not in outcome[0][1]:
         raise AssertionError(f"a killed consumer: the producer gave {outcome[0]}")
-    return {"consumers": 2, "versions": 2, "tensors": len(expected),
+    return {"consumers": 2, "versions": 2, "tensors": len(mixed_tensors()),
             "killed_consumer": "the producer raised at its 3 s timeout"}  # fmt: skip
 
 
 def hf_engine(ctx: Context) -> dict:
-    import torch
+    from trainer_fixtures import assert_same_completions, greedy_after_sync, make_adapter_nonzero
 
     from lorarl.lora_merge import iter_merged_weights
     from lorarl.trainer.engines.hf import checksum
@@ -263,21 +244,13 @@ def hf_engine(ctx: Context) -> dict:
                               rollout__worker="process")  # fmt: skip
     trainer.start_engine()
     try:
-        with torch.no_grad():  # a non-zero adapter, as training makes it (peft starts B at zero)
-            for name, p in trainer.model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(std=0.3, generator=torch.Generator(device=p.device).manual_seed(len(name)))
+        make_adapter_nonzero(trainer.model)
         prompts = [e.prompt_ids for e in trainer.rollouts.examples[:8]]
-        outputs = {}
-        for mode in ("adapter", "merged"):
-            trainer.weights.sync(version=2, mode=mode)
-            outputs[mode] = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
+        served = greedy_after_sync(trainer, prompts, version=2, mode="adapter")
+        merged = greedy_after_sync(trainer, prompts, version=2, mode="merged")
     finally:
         trainer.engine.close()
-    for a, b in zip(outputs["adapter"], outputs["merged"], strict=True):
-        if a.token_ids != b.token_ids:
-            raise AssertionError(f"the served adapter generated {a.token_ids}, the merged weights {b.token_ids}")
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-5)
+    assert_same_completions(served, merged)
     figures["adapter_matches_merged_prompts"] = len(prompts)
     return figures
 
@@ -365,8 +338,10 @@ def merge_throughput(ctx: Context) -> dict:
     for backend in sorted({c["backend"] for c in layers}):
         ratios = sorted(c["ratio_to_copy"] for c in layers if c["backend"] == backend and c["rank"] <= 128)
         by_backend[backend] = {"min_ratio_to_copy": ratios[0], "median_ratio_to_copy": ratios[len(ratios) // 2]}
+    models = {c["model"]: {"stream_s": c["seconds"], "speedup_vs_peft": c["speedup_vs_peft"]}
+              for c in lines if c.get("case") == "model"}  # fmt: skip
     targets = next((c for c in lines if c.get("case") == "targets"), {})
-    return {"ratio_to_copy_rank_le_128": by_backend, "targets_met": targets.get("met"),
+    return {"ratio_to_copy_rank_le_128": by_backend, "models": models, "targets_met": targets.get("met"),
             "misses": targets.get("misses")}  # fmt: skip
 
 
@@ -421,37 +396,6 @@ def plant_even_token_direction(model_dir: Path) -> None:
     embedding[0::2, 0] += 0.05
     embedding[1::2, 0] -= 0.05
     save_file(tensors, path, metadata={"format": "pt"})
-
-
-def random_model(config, dtype, device: str):
-    """A random causal LM of `config`'s shape, built on the meta device (without HF's slow initialisation)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    return model
-
-
-def device_seconds(fn: Callable[[], object], device: str, repeats: int = 3) -> float:
-    """The fastest of `repeats` timed calls after one untimed call (CUDA synchronised around each)."""
-    import torch
-
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        started = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def default_trainer(ctx: Context, name: str, **overrides):
@@ -545,7 +489,7 @@ def run_check(name: str, ctx: Context, limit_s: float) -> dict:
 def in_child(ctx: Context, result: Path, function: Callable[[Context], dict]) -> None:
     """The body of a check's process: the checks may import the tests' references and the benchmarks' helpers."""
     for folder in ("packages/lora_merge/tests", "packages/lora_merge/benchmarks", "packages/weight_sync/tests",
-                   "benchmarks"):  # fmt: skip
+                   "packages/trainer/tests", "benchmarks"):  # fmt: skip
         sys.path.insert(0, str(ROOT / folder))
     try:
         outcome = {"status": "ok", "figures": function(ctx)}

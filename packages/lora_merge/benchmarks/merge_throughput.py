@@ -38,7 +38,6 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -156,13 +155,14 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
         for backend in backends:
             if factor_name != "fp32" and backend == "torch":
                 continue  # other factor dtypes: the compiled kernels only
+            gemm_dtype = computes_in(backend, device, factor_dtype, rank)
             fns = {
                 "merge": functools.partial(merge_lora, weight, lora_A, lora_B, scale, out=out, backend=backend),
                 "copy": functools.partial(out.copy_, weight),
                 "peft": functools.partial(peft_merge, layer, weight, out),
                 "fresh": functools.partial(merge_lora, weight, lora_A, lora_B, scale, backend=backend),
                 "fresh_torch": functools.partial(merge_into_empty_like, weight, lora_A, lora_B, scale, backend),
-                "gemm": gemm[computes_in(backend, device, factor_dtype, rank)],
+                "gemm": gemm[gemm_dtype],
             }
             with torch.no_grad():
                 t = interleaved(fns, device, args.min_seconds, args.min_reps)
@@ -185,7 +185,7 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
                 "fresh_out_speedup": t["fresh_torch"] / t["fresh"],
                 "copy_seconds": t["copy"],
                 "peft_seconds": t["peft"],
-                "gemm_dtype": str(computes_in(backend, device, factor_dtype, rank)).removeprefix("torch."),
+                "gemm_dtype": str(gemm_dtype).removeprefix("torch."),
                 "gemm_gflops": gemm_rate / 1e9,
             }
 
@@ -194,16 +194,7 @@ def computes_in(backend: str, device: torch.device, factor_dtype: torch.dtype, r
     """The dtype of the kernel's multiply-adds: bf16 pairs for bf16 factors of an even rank in the C++ op on a CPU
     with AVX512-BF16, fp32 otherwise."""
     bf16_pairs = backend == "cpp" and device.type == "cpu" and factor_dtype == torch.bfloat16 and rank % 2 == 0
-    return torch.bfloat16 if bf16_pairs and "avx512_bf16" in cpu_flags() else torch.float32
-
-
-@functools.cache
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return torch.bfloat16 if bf16_pairs and torch.cpu.get_capabilities().get("avx512_bf16") else torch.float32
 
 
 def target_misses(cases: list[dict], device_type: str, cpu_default_backend: str) -> tuple[int, list[dict]]:

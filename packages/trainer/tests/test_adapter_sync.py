@@ -4,8 +4,7 @@ the merged weights generate; `rollout.sync=auto` measures both once and keeps th
 import json
 
 import pytest
-import torch
-from trainer_fixtures import tiny_overrides
+from trainer_fixtures import assert_same_completions, greedy_after_sync, make_adapter_nonzero, tiny_overrides
 
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
@@ -22,25 +21,18 @@ def test_the_served_adapter_generates_what_the_merged_weights_generate(tiny_setu
     trainer.start_engine()
     try:
         trainer.weights.sync()
-        with torch.no_grad():  # a non-zero adapter (peft starts B at zero), as training would make it
-            for name, p in trainer.model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
-        trainer.weights.sync(version=3)  # sent as an adapter
-        assert trainer.engine.version == 3
+        make_adapter_nonzero(trainer.model)
         prompts = [e.prompt_ids for e in trainer.rollouts.examples[:6]]
-        served = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
-        trainer.weights.sync(version=3, mode="merged")  # the same weights, merged this time
-        merged = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+        served = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
+        assert trainer.engine.version == 3
+        merged = greedy_after_sync(trainer, prompts, version=3, mode="merged")  # the same weights, merged this time
         trainer.weights.sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
-        trainer.weights.sync(version=3, mode="adapter")
-        again = trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+        again = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
     finally:
         trainer.engine.close()
-    for a, b, c in zip(served, merged, again, strict=True):
-        assert a.token_ids == b.token_ids == c.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-5)
-        assert a.logprobs == c.logprobs
+    assert_same_completions(served, merged)
+    assert [a.token_ids for a in again] == [a.token_ids for a in served]
+    assert [a.logprobs for a in again] == [a.logprobs for a in served]
 
 
 def test_an_adapter_run_learns(tiny_setup, tmp_path):

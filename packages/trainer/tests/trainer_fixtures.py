@@ -103,3 +103,24 @@ def write_gguf(model_dir: Path, name: str = "tiny.gguf", quantized: bool = False
     writer.write_tensors_to_file()
     writer.close()
     return model_dir / name
+
+
+def make_adapter_nonzero(model) -> None:
+    """Random LoRA B factors, as training makes them (peft starts them at zero, where adapter and base agree)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3, generator=torch.Generator(device=p.device).manual_seed(len(name)))
+
+
+def greedy_after_sync(trainer, prompts: list, *, version: int, mode: str) -> list:
+    """The trainer's weights synced into its engine (`mode`: adapter, merged or base), then greedy completions."""
+    trainer.weights.sync(version=version, mode=mode)
+    return trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+
+
+def assert_same_completions(got: list, expected: list) -> None:
+    """The same tokens, log-probs within float32 noise (the adapter served unmerged against the merged weights)."""
+    for a, b in zip(got, expected, strict=True):
+        assert a.token_ids == b.token_ids, (a.token_ids, b.token_ids)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-5)

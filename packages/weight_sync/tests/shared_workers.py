@@ -50,6 +50,16 @@ def consumer(port: int, rank: int, device: str = "cpu") -> list[tuple[int | None
     return transfers
 
 
+def check_two_transfers(transfers: list[tuple[int | None, dict[str, np.ndarray]]]) -> None:
+    """What `consumer` returns: versions 3 and 4, each bit-identical to the `mixed_tensors` of its seed."""
+    for (version, received), want_version, seed in zip(transfers, (3, 4), (0, 1), strict=True):
+        assert version == want_version, (version, want_version)
+        expected = mixed_tensors(seed)
+        assert set(received) == set(expected), sorted(set(received) ^ set(expected))
+        for name, tensor in expected.items():
+            assert np.array_equal(received[name], as_array(tensor.contiguous())), (version, name)
+
+
 def failing_producer(port: int, rank: int) -> str:
     """Its input raises after a few tensors: the consumers must learn of it."""
 
