@@ -1,7 +1,8 @@
 """`BucketReceiver`: receive a transfer from `BucketSender` and apply it, never half-way without saying so.
 
 The control message of bucket k+1 is already posted while the consumer handles bucket k; large tensors sent direct
-land straight in their destination (a fresh tensor, or the target parameter itself for `load_into`).
+land straight in their destination (a buffer reused from transfer to transfer, a tensor of their own for a caller
+that keeps them, or the target parameter itself for `load_into`).
 """
 
 from collections.abc import Callable, Iterator
