@@ -86,7 +86,7 @@ def expect_error(port: int, rank: int) -> str:
 
 
 def dying_consumer(port: int, rank: int, device: str = "cpu") -> None:
-    """Takes the first bucket, then dies (the test harness reports it as hung: it never answers)."""
+    """Takes the first bucket, then dies (the test harness reports it as died)."""
     for _ in mailbox(port, rank).receive(device):
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+import queue
 import signal
 import time
 import traceback
@@ -32,8 +33,9 @@ def run_group(
     `join=False` `fns[r](port, r)` for processes that join the group on `port` themselves;
     `kill={rank: condition}` SIGKILLs that rank as soon as `condition()` (checked here) is true.
 
-    Returns {rank: ("ok", value) | ("error", text) | ("killed", None)}; any process still running after `deadline`
-    seconds is killed and reported as "hung", so a test never hangs.
+    Returns {rank: ("ok", value) | ("error", text) | ("killed", None) | ("died", exit code)}: "died" for a process
+    that ended without a word (it killed itself, or crashed), as soon as its last words had a second to arrive. Any
+    process still running after `deadline` seconds is killed and reported as "hung", so a test never hangs.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -46,6 +48,7 @@ def run_group(
     started = time.monotonic()
     killed = set()
     outcome: dict[int, tuple[str, object]] = {}
+    ended: dict[int, float] = {}  # when a process was first seen ended without a result
     while len(outcome) + len(killed) < len(procs) and time.monotonic() - started < deadline:
         for rank, condition in (kill or {}).items():
             if rank not in killed and condition():
@@ -54,8 +57,13 @@ def run_group(
         try:
             rank, status, value = results.get(timeout=0.1)
             outcome[rank] = (status, value)
-        except Exception:
+        except queue.Empty:
             pass
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            gone = rank not in outcome and rank not in killed and p.exitcode is not None
+            if gone and now - ended.setdefault(rank, now) > 1.0:
+                outcome[rank] = ("died", p.exitcode)
     for rank, p in enumerate(procs):
         if rank in killed:
             outcome.setdefault(rank, ("killed", None))
