@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lorarl.lora_merge import available_backends, iter_merged_weights, merge_lora
+from lorarl.lora_merge import available_backends, cpu_has_native_bf16, iter_merged_weights, merge_lora
 from lorarl.lora_merge._output import empty_output
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192)]
@@ -194,7 +194,7 @@ def computes_in(backend: str, device: torch.device, factor_dtype: torch.dtype, r
     """The dtype of the kernel's multiply-adds: bf16 pairs for bf16 factors of an even rank in the C++ op on a CPU
     with AVX512-BF16, fp32 otherwise."""
     bf16_pairs = backend == "cpp" and device.type == "cpu" and factor_dtype == torch.bfloat16 and rank % 2 == 0
-    return torch.bfloat16 if bf16_pairs and torch.cpu.get_capabilities().get("avx512_bf16") else torch.float32
+    return torch.bfloat16 if bf16_pairs and cpu_has_native_bf16() else torch.float32
 
 
 def target_misses(cases: list[dict], device_type: str, cpu_default_backend: str) -> tuple[int, list[dict]]:

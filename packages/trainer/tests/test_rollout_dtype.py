@@ -1,5 +1,7 @@
 """`rollout.dtype`: which dtype the engine samples in."""
 
+import types
+
 import pytest
 import torch
 
@@ -21,13 +23,18 @@ def test_auto_keeps_a_half_precision_training_dtype():
 
 @pytest.mark.parametrize("flags", [{}, {"avx512_bf16": True}, {"amx_bf16": True}, {"avx512_bf16": False}])
 def test_auto_samples_float32_in_bfloat16_only_on_a_cpu_with_native_bfloat16(monkeypatch, flags):
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, **flags})
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, **flags}, raising=False)
     expected = torch.bfloat16 if any(flags.values()) else torch.float32
     assert rollout_dtype("auto", torch.float32, CPU) == expected
 
 
-def test_auto_on_this_cpu_follows_its_flags():
-    """Against the kernel's own report of the CPU (Linux), not torch's."""
+@pytest.mark.parametrize("torch_before_2_10", [False, True])
+def test_auto_on_this_cpu_follows_its_flags(monkeypatch, torch_before_2_10):
+    """Against the kernel's own report of the CPU (Linux), not torch's; also as torch < 2.10 (no
+    `torch.cpu.get_capabilities`) sees it."""
+    if torch_before_2_10:  # torch.cpu as it was: the AVX512-BF16 probe, no get_capabilities
+        probe = torch.cpu._is_avx512_bf16_supported
+        monkeypatch.setattr(torch, "cpu", types.SimpleNamespace(_is_avx512_bf16_supported=probe))
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = set(cpuinfo.read().split())

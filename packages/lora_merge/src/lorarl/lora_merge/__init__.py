@@ -1,6 +1,14 @@
 """Fused out-of-place LoRA merge (`W + s·B@A` at memory speed) and layered merged-weight streaming from peft models."""
 
-from lorarl.lora_merge.merge import BACKENDS, available_backends, merge_lora, merge_lora_
+from lorarl.lora_merge.merge import BACKENDS, available_backends, cpu_has_native_bf16, merge_lora, merge_lora_
 from lorarl.lora_merge.streaming import iter_merged_weights, merged_weight_specs
 
-__all__ = ["BACKENDS", "available_backends", "iter_merged_weights", "merge_lora", "merge_lora_", "merged_weight_specs"]
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "cpu_has_native_bf16",
+    "iter_merged_weights",
+    "merge_lora",
+    "merge_lora_",
+    "merged_weight_specs",
+]

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lorarl.lora_merge import cpu_has_native_bf16
 from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.schema import CriticSection, LoraSection, ModelSection
@@ -36,11 +37,8 @@ def rollout_dtype(name: str, training: torch.dtype, device: torch.device) -> tor
     if training != torch.float32:
         return training
     if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
-    else:
-        capabilities = torch.cpu.get_capabilities() if device.type == "cpu" else {}
-        native = bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
-    return torch.bfloat16 if native else training
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else training
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else training
 
 
 def resolve_model_path(path: str, gguf_file: str | None = None, dtype: str = "float32") -> Path:
