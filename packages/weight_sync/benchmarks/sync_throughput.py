@@ -6,8 +6,9 @@ Per case (payload, bucket size):
                           transfer header, buckets, final status), tensor bytes / seconds
   ratio_to_raw            time of one `broadcast` of a single preallocated buffer holding the same bytes / seconds
   speedup_vs_per_tensor   time of broadcasting tensor by tensor (as TRL/OpenRLHF do) / seconds
-  ratio_to_posted         time of every tensor's broadcast posted at once from its own memory, then waited for (the
-                          floor for these tensors without packing: what is left above it is the protocol's own) / seconds
+  ratio_to_posted         time of every tensor's broadcast posted at once from its own memory, then waited for
+                          (the floor for these tensors unpacked: what lies above it is the protocol's own) / seconds
+  receive_ratio_to_posted the same ratio for `BucketReceiver.receive()`
   receive_ratio_to_raw    the same ratio for the iterator path, `BucketReceiver.receive()`, its tensors taken
   receive_copy_ratio_to_raw  ... and each copied into the preallocated one of its name (as vLLM's `load_weights`
                           copies what it is given)
