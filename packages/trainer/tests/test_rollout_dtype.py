@@ -28,11 +28,11 @@ def test_auto_samples_float32_in_bfloat16_only_on_a_cpu_with_native_bfloat16(mon
     assert rollout_dtype("auto", torch.float32, CPU) == expected
 
 
-@pytest.mark.parametrize("torch_before_2_10", [False, True])
-def test_auto_on_this_cpu_follows_its_flags(monkeypatch, torch_before_2_10):
-    """Against the kernel's own report of the CPU (Linux), not torch's; also as torch < 2.10 (no
+@pytest.mark.parametrize("torch_before_2_11", [False, True])
+def test_auto_on_this_cpu_follows_its_flags(monkeypatch, torch_before_2_11):
+    """Against the kernel's own report of the CPU (Linux), not torch's; also as torch < 2.11 (no
     `torch.cpu.get_capabilities`) sees it."""
-    if torch_before_2_10:  # torch.cpu as it was: the AVX512-BF16 probe, no get_capabilities
+    if torch_before_2_11:  # torch.cpu as it was: the AVX512-BF16 probe, no get_capabilities
         probe = torch.cpu._is_avx512_bf16_supported
         monkeypatch.setattr(torch, "cpu", types.SimpleNamespace(_is_avx512_bf16_supported=probe))
     try:

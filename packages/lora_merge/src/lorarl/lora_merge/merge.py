@@ -105,7 +105,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16): the C++ op built for it then multiplies
     bf16 factors of an even rank in pairs, and torch's bf16 GEMM runs at about twice the fp32 rate.
-    (`torch.cpu.get_capabilities` came with torch 2.10; before it, torch's own AVX512-BF16 probe answers.)"""
+    (`torch.cpu.get_capabilities` came with torch 2.11; before it, torch's own AVX512-BF16 probe answers.)"""
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if capabilities is None:
         return bool(torch.cpu._is_avx512_bf16_supported())  # every AMX-BF16 CPU has AVX512-BF16 too
