@@ -291,10 +291,7 @@ def fsdp_one_rank(ctx: Context) -> dict:
     result = ctx.out / "fsdp_one_rank.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", __file__,
                "--fsdp-rank", "--device", ctx.device, "--out", str(ctx.out), "--result", str(result)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=child_env())
-    (ctx.out / "fsdp_one_rank.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise AssertionError(f"torchrun exited {done.returncode}:\n{done.stderr[-3000:]}")
+    run_child(ctx, "fsdp_one_rank", command, what="torchrun")
     outcome = json.loads(result.read_text())
     if outcome["status"] != "ok":
         raise AssertionError(f"the rank: {outcome.get('error')}")
@@ -421,10 +418,7 @@ def run_trainer(ctx: Context, name: str, overrides: list[str]) -> list[dict]:
     """`python3 -m lorarl.trainer.cli` (no uv) into `--out/name`; its metrics.jsonl records."""
     output = ctx.out / name
     command = [sys.executable, "-m", "lorarl.trainer.cli", *overrides, f"trainer.output_dir={output}"]
-    done = subprocess.run(command, capture_output=True, text=True, env=child_env())
-    (ctx.out / f"{name}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise AssertionError(f"the trainer exited {done.returncode}:\n{done.stderr[-3000:]}")
+    run_child(ctx, name, command, what="the trainer")
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -441,11 +435,19 @@ def run_figures(records: list[dict]) -> dict:
 
 def run_script(ctx: Context, name: str, command: list) -> list[dict]:
     """A benchmark script's JSON lines, also kept in `--out/name.jsonl`."""
-    done = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True, env=child_env())
-    (ctx.out / f"{name}.jsonl").write_text(done.stdout)
+    stdout = run_child(ctx, name, [sys.executable, *map(str, command)], what=name)
+    (ctx.out / f"{name}.jsonl").write_text(stdout)
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def run_child(ctx: Context, name: str, command: list[str], *, what: str) -> str:
+    """A process of the checks (the packages' sources on its path), its output kept in `--out/name.log`; its stdout,
+    or an AssertionError with the end of its stderr if it failed."""
+    done = subprocess.run(command, capture_output=True, text=True, env=child_env())
+    (ctx.out / f"{name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        raise AssertionError(f"{name} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        raise AssertionError(f"{what} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout
 
 
 def pack_vendor(directory: Path) -> list[str]:

@@ -158,9 +158,8 @@ def test_ppo_and_cispo_match_the_formula(name, seed, clips):
 @pytest.mark.parametrize("seed", range(3))
 def test_dual_clip_caps_negative_advantages(seed):
     logp, old, adv, mask = loss_inputs(seed)
-    logp = (
-        old + torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed), dtype=logp.dtype) * 2
-    )  # large ratios
+    noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed), dtype=logp.dtype)
+    logp = old + noise * 2  # large ratios
     loss, _ = policy_loss("ppo", logp, old, adv, mask, dual_clip=3.0)
     expected = aggregate_reference(per_token_reference("ppo", logp, old, adv, 0.2, 0.2, 3.0), mask, "token-mean")
     assert loss.item() == pytest.approx(expected, rel=1e-10)

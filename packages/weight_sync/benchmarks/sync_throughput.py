@@ -73,10 +73,15 @@ def device_of(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if group.name() == "nccl" else torch.device("cpu")
 
 
-def broadcast(group, tensor: torch.Tensor) -> None:
+def post(group, tensor: torch.Tensor) -> dist.Work:
+    """A broadcast from rank 0, started."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    return group.broadcast([tensor], options)
+
+
+def broadcast(group, tensor: torch.Tensor) -> None:
+    post(group, tensor).wait()
 
 
 def per_tensor(group, tensors: dict[str, torch.Tensor]) -> None:
@@ -85,9 +90,7 @@ def per_tensor(group, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def posted(group, tensors: dict[str, torch.Tensor]) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    for work in [group.broadcast([tensor], options) for tensor in tensors.values()]:
+    for work in [post(group, tensor) for tensor in tensors.values()]:
         work.wait()
 
 
