@@ -6,10 +6,12 @@ model, tokenizer, prompts, reward and settings:
 - LoRA rank 16, alpha 32 on all linear layers; AdamW at the same constant learning rate, no warmup, grad clip 1.0;
 - GRPO advantages (group mean and std), token-mean loss (TRL's `dapo`), clip 0.2, one optimizer step per batch;
 - no KL term, so neither side runs a reference model (TRL's `beta=0`, lorarl's `algorithm.kl_coef=0`);
-- fp32 training on both sides (TRL defaults to bf16: `bf16=False`) and no gradient checkpointing (TRL defaults to it:
-  `gradient_checkpointing=False`); TRL trains the whole batch in one micro-batch (`gradient_accumulation_steps=1`,
-  its fastest setting), lorarl at its default `actor.micro_batch_tokens`;
-- sampling: TRL without vLLM generates with its training model (fp32); lorarl's engine at its default
+- fp32 training on both sides (TRL defaults to bf16: `bf16=False`), or with `--train-dtype bfloat16` a bf16 base model
+  on both (lorarl's `model.dtype=bfloat16`; TRL's model loaded in bf16, with its default `bf16=True` autocast), LoRA
+  weights in fp32 on both (peft's); no gradient checkpointing (TRL defaults to it: `gradient_checkpointing=False`);
+  TRL trains the whole batch in one micro-batch (`gradient_accumulation_steps=1`, its fastest setting), lorarl at its
+  default `actor.micro_batch_tokens`;
+- sampling: TRL without vLLM generates with its training model (in the training dtype); lorarl's engine at its default
   `rollout.dtype=auto` samples in bf16 where the CPU computes it natively, as a vLLM engine would (the JSON's
   `lorarl_rollout_dtype`). `--rollout-dtype float32` makes lorarl sample in fp32 too.
 
@@ -20,7 +22,7 @@ over the runs, of the wall time between the ends of consecutive steps after the 
 is JIT-built once per machine (then cached): it is built before the first run, so no compiler counts in a tree.
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
-        [--rollout-dtype auto|float32|bfloat16] [--device cpu|cuda]
+        [--rollout-dtype auto|float32|bfloat16] [--train-dtype float32|bfloat16] [--device cpu|cuda]
 
 On a GPU (`--device cuda`) each side also reports the peak GPU memory torch allocated in its process (`*_cuda_peak_gb`;
 lorarl's engine is in that process).
@@ -64,6 +66,17 @@ CASES = {
         "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
         "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}),
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What both sides of every case share."""
+
+    rollout_dtype: str  # lorarl's rollout.dtype
+    train_dtype: str  # the base model's dtype on both sides
+    device: str
+
+
 GENERATIONS = 8
 RANK, ALPHA = 16, 32.0
 SEED = 0
@@ -93,16 +106,16 @@ def make_model(case: Case, directory: Path) -> Path:
 # --- the two sides, each run in a process of its own ---------------------------------------------------------------
 
 
-def run_lorarl(case: Case, model: Path, output: Path, steps: int, rollout_dtype: str, device: str) -> dict:
+def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Settings) -> dict:
     from lorarl.trainer.config import load_config
     from lorarl.trainer.loop import Trainer
 
     config = load_config(overrides=[
         f"model.path={model}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}",
         f"data.batch_size={case.prompts}", f"rollout.n={GENERATIONS}", f"rollout.max_tokens={case.max_tokens}",
-        f"actor.lr={case.lr}", f"rollout.dtype={rollout_dtype}",
+        f"actor.lr={case.lr}", f"rollout.dtype={settings.rollout_dtype}", f"model.dtype={settings.train_dtype}",
         "algorithm.kl_coef=0", f"trainer.steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={output}",
-        f"trainer.seed={SEED}", f"trainer.device={device}",
+        f"trainer.seed={SEED}", f"trainer.device={settings.device}",
     ])  # fmt: skip
     trainer = Trainer(config)
     ends, rewards = [], []
@@ -120,11 +133,11 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, rollout_dtype:
         "step_ends": ends,
         "rewards": rewards,
         "rollout_dtype": str(trainer.rollout_dtype).removeprefix("torch."),
-        **cuda_peak(device),
+        **cuda_peak(settings.device),
     }
 
 
-def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtype: str, device: str) -> dict:
+def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Settings) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -151,15 +164,17 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtyp
                 rewards.append(logs["reward"])
 
     samples = case.prompts * GENERATIONS
+    bf16 = settings.train_dtype == "bfloat16"
     args = GRPOConfig(
         output_dir=str(output), max_steps=steps, per_device_train_batch_size=samples, gradient_accumulation_steps=1,
         num_generations=GENERATIONS, max_completion_length=case.max_tokens, temperature=1.0, top_p=1.0,
         learning_rate=case.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-        beta=0.0, loss_type="dapo", epsilon=0.2, bf16=False, gradient_checkpointing=False, use_cpu=device == "cpu",
+        beta=0.0, loss_type="dapo", epsilon=0.2, bf16=bf16, gradient_checkpointing=False,
+        use_cpu=settings.device == "cpu",
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=SEED,
     )  # fmt: skip
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.train_dtype)),
         reward_funcs=reward, args=args, train_dataset=dataset, processing_class=load_tokenizer(model_path),
         peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0),
         callbacks=[Timing()],
@@ -168,8 +183,8 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, rollout_dtyp
     return {
         "step_ends": ends,
         "rewards": rewards,
-        "rollout_dtype": "float32",  # it samples with its training model
-        **cuda_peak(device),
+        "rollout_dtype": settings.train_dtype,  # it samples with its training model
+        **cuda_peak(settings.device),
     }
 
 
@@ -202,13 +217,14 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, rollout_dtype: str, device: str) -> dict:
+def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, settings: Settings) -> dict:
     """One run in a fresh process; its seconds per step (median interval after the warm-up) and peak tree RSS."""
     output = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{side}-"))
     result_file = output / "result.json"
     command = [sys.executable, __file__, "--worker", side, "--case", case.name, "--model", str(model),
                "--output", str(output), "--steps", str(steps), "--result", str(result_file),
-               "--rollout-dtype", rollout_dtype, "--device", device]  # fmt: skip
+               "--rollout-dtype", settings.rollout_dtype, "--train-dtype", settings.train_dtype,
+               "--device", settings.device]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = 0
     stderr: list[str] = []
@@ -232,16 +248,16 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, roll
     }
 
 
-def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, rollout_dtype: str, device: str) -> dict:
+def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, settings: Settings) -> dict:
     model = make_model(case, workdir)
     timed = max(2, case.steps // 3) if quick else case.steps
     steps = case.warmup + timed
     runs: dict[str, list[dict]] = {"lorarl": [], "trl": []}
     for _ in range(repeats):
         for side in ("lorarl", "trl"):  # interleaved: A, B, A, B
-            runs[side].append(run_side(side, case, model, workdir, steps, rollout_dtype, device))
+            runs[side].append(run_side(side, case, model, workdir, steps, settings))
     out = {"case": case.name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
-           "timed_steps": timed}  # fmt: skip
+           "timed_steps": timed, "train_dtype": settings.train_dtype}  # fmt: skip
     for side, side_runs in runs.items():
         out[f"{side}_s_per_step"] = statistics.median(r["s_per_step"] for r in side_runs)
         out[f"{side}_runs_s_per_step"] = [round(r["s_per_step"], 4) for r in side_runs]
@@ -249,7 +265,7 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, rollout_dty
         last = max(1, timed // 2)
         out[f"{side}_final_reward"] = statistics.mean(r for run in side_runs for r in run["rewards"][-last:])
         out[f"{side}_rollout_dtype"] = side_runs[0]["rollout_dtype"]
-        if device == "cuda":
+        if settings.device == "cuda":
             out[f"{side}_cuda_peak_gb"] = max(r["cuda_peak_gb"] for r in side_runs)
     out["speedup"] = out["trl_s_per_step"] / out["lorarl_s_per_step"]
     out["memory_ratio"] = out["lorarl_peak_rss_gb"] / out["trl_peak_rss_gb"]
@@ -265,7 +281,13 @@ def main() -> None:
         "--rollout-dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16"),
-        help="lorarl's rollout.dtype (TRL samples with its fp32 training model)",
+        help="lorarl's rollout.dtype (TRL samples with its training model)",
+    )
+    parser.add_argument(
+        "--train-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the base model's dtype on both sides (LoRA weights stay fp32)",
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides train and sample")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
@@ -275,11 +297,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    settings = Settings(args.rollout_dtype, args.train_dtype, args.device)
     if args.worker:
         side = SIDES[args.worker]
-        result = side(
-            CASES[args.case], Path(args.model), Path(args.output), args.steps, args.rollout_dtype, args.device
-        )
+        result = side(CASES[args.case], Path(args.model), Path(args.output), args.steps, settings)
         Path(args.result).write_text(json.dumps(result))
         return
     names = args.cases.split(",")
@@ -292,19 +313,8 @@ def main() -> None:
     available_backends(args.device)  # lorarl's C++ merge op is built on first use, then cached: not inside a timed run
     with tempfile.TemporaryDirectory(prefix="step_vs_trl-") as workdir:
         for name in names:
-            print(
-                json.dumps(
-                    measure(
-                        CASES[name],
-                        Path(workdir),
-                        quick=args.quick,
-                        repeats=args.repeats,
-                        rollout_dtype=args.rollout_dtype,
-                        device=args.device,
-                    )
-                ),
-                flush=True,
-            )
+            result = measure(CASES[name], Path(workdir), quick=args.quick, repeats=args.repeats, settings=settings)
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
