@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lorarl.lora_merge import cpu_has_native_bf16
-from lorarl.trainer import default_task
+from lorarl.trainer import cpu_attention, default_task
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.schema import CriticSection, LoraSection, ModelSection
 
@@ -100,7 +100,9 @@ def load_tokenizer(path: Path):
 def load_base(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    cpu_attention.use_for_cpu_training(model, device)
+    return model
 
 
 class Policy:

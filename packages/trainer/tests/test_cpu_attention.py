@@ -1,0 +1,93 @@
+"""The fp32 attention of 16-bit models trained on CPU (`cpu_attention`), against a float64 computation."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from lorarl.trainer import cpu_attention
+from lorarl.trainer.models import load_base
+
+CPU = torch.device("cpu")
+
+
+def attention(q, k, v, mask):
+    """softmax(q kᵀ / √d + mask) v, as [B, S, H, D] (transformers' output layout); given float64 tensors."""
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def inputs(dtype, generator):
+    q, k, v = (torch.randn(shape, generator=generator).to(dtype).requires_grad_()
+               for shape in ((3, 4, 5, 16), (3, 4, 9, 16), (3, 4, 9, 16)))  # fmt: skip
+    mask = torch.ones(3, 1, 5, 9, dtype=torch.bool).tril(4)  # 4 cached positions, then causal
+    mask[0, :, :, :2] = False  # padding
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_training_attention_is_fp32_attention_rounded_once(dtype):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, mask = inputs(dtype, generator)
+    module = nn.Module()
+    out, _ = cpu_attention.fp32_training_sdpa(module, q, k, v, mask, scaling=None)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    exact = attention(q64, k64, v64, mask)
+    assert out.dtype == dtype
+    spacing = torch.finfo(dtype).eps * exact.detach().abs()  # an ulp of the result, at most
+    assert ((out.double() - exact.detach()).abs() <= spacing + 1e-6).all()
+    # gradients: those of the float64 attention, rounded to the 16-bit inputs' precision
+    upstream = torch.randn(out.shape, generator=generator).to(dtype)
+    out.backward(upstream)
+    grads64 = torch.autograd.grad(exact, (q64, k64, v64), upstream.double())
+    for got, exact_grad in zip((q.grad, k.grad, v.grad), grads64, strict=True):
+        torch.testing.assert_close(got.double(), exact_grad, rtol=2 * torch.finfo(dtype).eps,
+                                   atol=1e-5 * exact_grad.abs().max().item())  # fmt: skip
+
+
+def test_without_gradients_the_16_bit_kernel_runs_unchanged():
+    q, k, v, mask = inputs(torch.bfloat16, torch.Generator().manual_seed(1))
+    module = nn.Module()
+    with torch.no_grad():
+        got, _ = cpu_attention.fp32_training_sdpa(module, q, k, v, mask)
+        native, _ = sdpa_attention_forward(module, q, k, v, mask)
+    assert torch.equal(got, native)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("dtype", "switched"), [(torch.bfloat16, True), (torch.float16, True),
+                                                 (torch.float32, False)])  # fmt: skip
+def test_load_base_switches_16_bit_cpu_models_only(tiny_llama, dtype, switched):
+    model = load_base(tiny_llama, dtype, CPU)
+    expected = cpu_attention.NAME if switched else "sdpa"
+    assert model.config._attn_implementation == expected
+
+
+def test_a_switched_model_computes_the_float64_models_logits(tiny_llama):
+    """Padding and causality reach the new kernel as they reach SDPA: the bf16 model's logits under autograd match a
+    float64 SDPA copy of its weights (a lost mask moves them far beyond bf16's rounding)."""
+    model = load_base(tiny_llama, torch.bfloat16, CPU)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64, attn_implementation="sdpa")
+    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    ids = torch.randint(1, 97, (3, 12), generator=torch.Generator().manual_seed(2))
+    attention = torch.ones(3, 12, dtype=torch.long)
+    attention[0, :5] = 0  # left padding
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    assert logits.requires_grad
+    with torch.no_grad():
+        exact = reference(input_ids=ids, attention_mask=attention).logits
+    valid = attention.bool()
+    error = (logits.detach().double() - exact)[valid].abs().max() / exact[valid].abs().max()
+    assert error < 0.02
+    logits[valid].float().logsumexp(-1).sum().backward()  # the backward runs through the fp32 attention
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
