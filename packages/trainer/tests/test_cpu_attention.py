@@ -55,6 +55,18 @@ def test_without_gradients_the_16_bit_kernel_runs_unchanged():
     assert torch.equal(got, native)
 
 
+def test_a_gradient_through_the_values_alone_takes_the_fp32_path():
+    """LoRA on v_proj only: the queries need no gradient, the values do."""
+    q, k, v, mask = inputs(torch.bfloat16, torch.Generator().manual_seed(3))
+    q, k = q.detach(), k.detach()
+    out, _ = cpu_attention.fp32_training_sdpa(nn.Module(), q, k, v, mask)
+    with torch.no_grad():
+        fp32, _ = sdpa_attention_forward(nn.Module(), q.float(), k.float(), v.float(), mask)
+    assert torch.equal(out.detach(), fp32.to(torch.bfloat16))
+    out.sum().backward()
+    assert v.grad is not None
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
