@@ -101,7 +101,7 @@ def load_base(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    cpu_attention.use_for_cpu_training(model, device)
+    cpu_attention.use_on_cpu(model, device)
     return model
 
 

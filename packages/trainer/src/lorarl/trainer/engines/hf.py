@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lorarl.trainer import cpu_attention
 from lorarl.trainer.decode import decode
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, Worker
 from lorarl.weight_sync import BucketReceiver, SyncStats, TensorSpec, copy_into, create_sync_group, save_adapter
@@ -51,6 +52,7 @@ class HFWorker(Worker):
             torch.set_num_threads(settings.threads)
         model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=settings.dtype)
         self.model = model.to(settings.device).eval()
+        cpu_attention.use_on_cpu(self.model, torch.device(settings.device))
         self.version = 0  # the weights from disk
         self.receiver: BucketReceiver | None = None
         self.adapter = None  # a peft model around self.model while an adapter is served unmerged
