@@ -96,6 +96,13 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
+def float64_sdpa_copy(path, model):
+    """The model at `path` in float64 with transformers' SDPA, holding `model`'s weights."""
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
+    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    return reference
+
+
 @pytest.mark.parametrize(("dtype", "switched"), [(torch.bfloat16, True), (torch.float16, True),
                                                  (torch.float32, False)])  # fmt: skip
 def test_load_base_switches_16_bit_cpu_models_only(tiny_llama, dtype, switched):
@@ -108,8 +115,7 @@ def test_a_switched_model_computes_the_float64_models_logits(tiny_llama):
     """Padding and causality reach the new kernel as they reach SDPA: the bf16 model's logits under autograd match a
     float64 SDPA copy of its weights (a lost mask moves them far beyond bf16's rounding)."""
     model = load_base(tiny_llama, torch.bfloat16, CPU)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64, attn_implementation="sdpa")
-    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    reference = float64_sdpa_copy(tiny_llama, model)
     ids = torch.randint(1, 97, (3, 12), generator=torch.Generator().manual_seed(2))
     attention = torch.ones(3, 12, dtype=torch.long)
     attention[0, :5] = 0  # left padding
@@ -128,8 +134,7 @@ def test_a_switched_model_decodes_as_the_float64_model(tiny_llama):
     """A prefill, then decode steps on the KV cache (one token each, GQA, left padding), without gradients: the
     logits of each step match a float64 SDPA copy's."""
     model = load_base(tiny_llama, torch.bfloat16, CPU)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64, attn_implementation="sdpa")
-    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    reference = float64_sdpa_copy(tiny_llama, model)
     ids = torch.randint(1, 97, (3, 8), generator=torch.Generator().manual_seed(5))
     attention = torch.ones(3, 8, dtype=torch.long)
     attention[0, :3] = 0

@@ -28,10 +28,8 @@ def cpu_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = query.dtype
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if dtype not in SIXTEEN_BIT:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if needs_grad:
+    sixteen_bit = dtype in SIXTEEN_BIT
+    if sixteen_bit and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             output, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), attention_mask, **kwargs)
@@ -40,7 +38,8 @@ def cpu_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
         # recomputed in the backward: autograd keeps the 16-bit inputs, not fp32 copies (2x their bytes; with GQA
         # repeated per head)
         return checkpoint(attention, query, key, value, use_reentrant=False), None
-    if query.shape[2] == 1 and kwargs.get("position_bias") is None and not kwargs.get("dropout"):
+    decode_step = query.shape[2] == 1 and kwargs.get("position_bias") is None and not kwargs.get("dropout")
+    if sixteen_bit and decode_step:
         output = torch.nn.functional.scaled_dot_product_attention(
             query.float(), key.float(), value.float(), attn_mask=attention_mask, scale=kwargs.get("scaling"),
             enable_gqa=query.shape[1] != key.shape[1],
