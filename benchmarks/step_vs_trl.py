@@ -8,7 +8,9 @@ model, tokenizer, prompts, reward and settings:
 - no KL term, so neither side runs a reference model (TRL's `beta=0`, lorarl's `algorithm.kl_coef=0`);
 - fp32 training on both sides (TRL defaults to bf16: `bf16=False`), or with `--train-dtype bfloat16` a bf16 base model
   on both (lorarl's `model.dtype=bfloat16`; TRL's model loaded in bf16, with its default `bf16=True` autocast), LoRA
-  weights in fp32 on both (peft's); no gradient checkpointing (TRL defaults to it: `gradient_checkpointing=False`);
+  weights in fp32 on both (peft's); no gradient checkpointing (TRL defaults to it: `gradient_checkpointing=False`), or
+  with `--gradient-checkpointing` on both (TRL's `gradient_checkpointing=True`, lorarl's
+  `actor.gradient_checkpointing=true`: every decoder layer recomputed in the backward, non-reentrant on both);
   TRL trains the whole batch in one micro-batch (`gradient_accumulation_steps=1`, its fastest setting), lorarl at its
   default `actor.micro_batch_tokens`;
 - sampling: TRL without vLLM generates with its training model (in the training dtype); lorarl's engine at its default
@@ -22,7 +24,8 @@ over the runs, of the wall time between the ends of consecutive steps after the 
 is JIT-built once per machine (then cached): it is built before the first run, so no compiler counts in a tree.
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
-        [--rollout-dtype auto|float32|bfloat16] [--train-dtype float32|bfloat16] [--device cpu|cuda]
+        [--rollout-dtype auto|float32|bfloat16] [--train-dtype float32|bfloat16] [--gradient-checkpointing]
+        [--device cpu|cuda]
 
 On a GPU (`--device cuda`) each side also reports the peak GPU memory torch allocated in its process (`*_cuda_peak_gb`;
 lorarl's engine is in that process).
@@ -74,6 +77,7 @@ class Settings:
 
     rollout_dtype: str  # lorarl's rollout.dtype
     train_dtype: str  # the base model's dtype on both sides
+    gradient_checkpointing: bool  # on both sides
     device: str
 
 
@@ -116,6 +120,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         f"actor.lr={case.lr}", f"rollout.dtype={settings.rollout_dtype}", f"model.dtype={settings.train_dtype}",
         "algorithm.kl_coef=0", f"trainer.steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={output}",
         f"trainer.seed={SEED}", f"trainer.device={settings.device}",
+        f"actor.gradient_checkpointing={settings.gradient_checkpointing}",
     ])  # fmt: skip
     trainer = Trainer(config)
     ends, rewards = [], []
@@ -169,7 +174,8 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
         output_dir=str(output), max_steps=steps, per_device_train_batch_size=samples, gradient_accumulation_steps=1,
         num_generations=GENERATIONS, max_completion_length=case.max_tokens, temperature=1.0, top_p=1.0,
         learning_rate=case.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-        beta=0.0, loss_type="dapo", epsilon=0.2, bf16=bf16, gradient_checkpointing=False,
+        beta=0.0, loss_type="dapo", epsilon=0.2, bf16=bf16, gradient_checkpointing=settings.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
         use_cpu=settings.device == "cpu",
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=SEED,
     )  # fmt: skip
@@ -225,6 +231,8 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, sett
                "--output", str(output), "--steps", str(steps), "--result", str(result_file),
                "--rollout-dtype", settings.rollout_dtype, "--train-dtype", settings.train_dtype,
                "--device", settings.device]  # fmt: skip
+    if settings.gradient_checkpointing:
+        command.append("--gradient-checkpointing")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = 0
     stderr: list[str] = []
@@ -257,7 +265,8 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, settings: S
         for side in ("lorarl", "trl"):  # interleaved: A, B, A, B
             runs[side].append(run_side(side, case, model, workdir, steps, settings))
     out = {"case": case.name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
-           "timed_steps": timed, "train_dtype": settings.train_dtype}  # fmt: skip
+           "timed_steps": timed, "train_dtype": settings.train_dtype,
+           "gradient_checkpointing": settings.gradient_checkpointing}  # fmt: skip
     for side, side_runs in runs.items():
         out[f"{side}_s_per_step"] = statistics.median(r["s_per_step"] for r in side_runs)
         out[f"{side}_runs_s_per_step"] = [round(r["s_per_step"], 4) for r in side_runs]
@@ -289,6 +298,9 @@ def main() -> None:
         choices=("float32", "bfloat16"),
         help="the base model's dtype on both sides (LoRA weights stay fp32)",
     )
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="both sides recompute every decoder layer in the backward"
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides train and sample")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -297,7 +309,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    settings = Settings(args.rollout_dtype, args.train_dtype, args.device)
+    settings = Settings(args.rollout_dtype, args.train_dtype, args.gradient_checkpointing, args.device)
     if args.worker:
         side = SIDES[args.worker]
         result = side(CASES[args.case], Path(args.model), Path(args.output), args.steps, settings)

@@ -4,6 +4,7 @@ import os
 import random
 
 from trainer_fixtures import tiny_overrides
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lorarl.trainer.config import load_config
 from lorarl.trainer.engines import Completion
@@ -42,4 +43,6 @@ def one_step(port: int, rank: int, world: int, setup: dict, output_dir: str, ext
     weights = {name: t.numpy() for name, t in full_state_dict(trainable).items()}
     keys = ("loss", "kl", "entropy", "grad_norm", "clipfrac", "approx_kl")
     keys += tuple(k for k in metrics if k.startswith("critic/"))
-    return {"weights": weights, "metrics": {k: metrics[k] for k in keys}}
+    layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return {"weights": weights, "metrics": {k: metrics[k] for k in keys},
+            "checkpointed": bool(layers) and all(layer.gradient_checkpointing for layer in layers)}  # fmt: skip

@@ -25,8 +25,9 @@ SETTINGS = {
 }
 
 
-# PPO with a critic: its adapter sharded with the policy's, its value head sharded on its own, a second backward
-PPO = {**SETTINGS, "algorithm__adv_estimator": "gae", "critic__lora__rank": 4}
+# PPO with a critic: its adapter sharded with the policy's, its value head sharded on its own, a second backward;
+# and the layers checkpointed: FSDP gathers each one again for its recompute in the backward
+PPO = {**SETTINGS, "algorithm__adv_estimator": "gae", "critic__lora__rank": 4, "actor__gradient_checkpointing": True}
 
 
 def run(world: int, setup: dict, output_dir, settings: dict = SETTINGS) -> list[dict]:
@@ -39,7 +40,9 @@ def run(world: int, setup: dict, output_dir, settings: dict = SETTINGS) -> list[
 
 # fp32 sums in another order; Adam's first steps (~lr·g/|g|) magnify that where g ~ 0: 2e-5 of lr 0.05. PPO's
 # advantages are whitened values of the critic, computed in another order too: the odd weight moves up to 1% of lr.
-@pytest.mark.parametrize(("settings", "atol"), [(SETTINGS, 2e-5), (PPO, 5e-4)], ids=["grpo", "ppo-with-a-critic"])
+@pytest.mark.parametrize(
+    ("settings", "atol"), [(SETTINGS, 2e-5), (PPO, 5e-4)], ids=["grpo", "ppo-with-a-critic-checkpointed"]
+)
 def test_two_ranks_make_the_update_of_one(tiny_setup, tmp_path, settings, atol):
     (single,) = run(1, tiny_setup, tmp_path / "one", settings)
     pair = run(2, tiny_setup, tmp_path / "two", settings)
@@ -50,6 +53,7 @@ def test_two_ranks_make_the_update_of_one(tiny_setup, tmp_path, settings, atol):
         for key, value in single["metrics"].items():
             assert result["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     assert single["metrics"]["grad_norm"] > 0  # a real update happened
+    assert all(result["checkpointed"] == (settings is PPO) for result in (single, *pair))
     if settings is PPO:
         assert single["metrics"]["critic/grad_norm"] > 0
         assert any(".critic." in name for name in single["weights"])

@@ -139,6 +139,9 @@ class ActorSection:
     layout: str = option("auto", "micro-batch layout: packed rows (for flash-attention's varlen kernel) or padded "
                          "rows of similar lengths; auto picks by the attention kernel",
                          ("auto", "packed", "padded"))  # fmt: skip
+    gradient_checkpointing: bool = option(False, "recompute each decoder layer's activations in the backward (the "
+                                          "critic's too): their memory drops to the layers' inputs, for about a "
+                                          "third more compute")  # fmt: skip
 
 
 @dataclass
