@@ -11,6 +11,7 @@ from lorarl.trainer.engines import Completion
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.parallel import full_state_dict
 from lorarl.trainer.presets import PRESETS
+from lorarl.trainer.recompute import is_checkpointed
 from lorarl.trainer.rollout import Sample
 
 
@@ -45,4 +46,4 @@ def one_step(port: int, rank: int, world: int, setup: dict, output_dir: str, ext
     keys += tuple(k for k in metrics if k.startswith("critic/"))
     layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
     return {"weights": weights, "metrics": {k: metrics[k] for k in keys},
-            "checkpointed": bool(layers) and all(layer.gradient_checkpointing for layer in layers)}  # fmt: skip
+            "checkpointed": bool(layers) and all(map(is_checkpointed, layers))}  # fmt: skip

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lorarl.padding import packed_position_ids, response_from_packed, response_from_padded
 from lorarl.trainer.head_logprobs import head_logprobs
+from lorarl.trainer.recompute import read_only_prefix
 
 LAYOUTS = ("auto", "packed", "padded")
 # config attributes of models that transform the logits after the LM head: those are scored from their full logits
@@ -192,6 +193,7 @@ def _from_response_states(model: nn.Module, micro: MicroBatch, per_token: Callab
             out = model(**micro.prompts.inputs, use_cache=True)
         which = micro.prompts.which.to(out.logits.device)
         _select_rows(out.past_key_values, which)
+        read_only_prefix(out.past_key_values)  # what a checkpointed layer's replay reads again (`recompute`)
         prefix, cache = out.logits.index_select(0, which), {"past_key_values": out.past_key_values, "use_cache": True}
     scores = []
 

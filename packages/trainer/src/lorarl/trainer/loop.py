@@ -23,8 +23,9 @@ from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, SamplesLog, plot
-from lorarl.trainer.models import Critic, Policy, checkpoint_layers, load_tokenizer, resolve_device, rollout_dtype
+from lorarl.trainer.models import Critic, Policy, load_tokenizer, resolve_device, rollout_dtype
 from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
+from lorarl.trainer.recompute import checkpoint_layers
 from lorarl.trainer.rollout import Rollouts
 from lorarl.trainer.update import ActorUpdate, to_batch
 from lorarl.trainer.weights import WeightSync, describe_choice
@@ -56,10 +57,8 @@ class Trainer:
             checkpoint_layers(self.model)
             if self.critic is not None and not self.critic.shares_base:
                 checkpoint_layers(self.critic.model)
-        # a GRPO group's responses share their prompt: run it once (padded layout, log-probs from the hidden states;
-        # not through a checkpointed layer, which drops the prompt's KV cache)
-        share_prompts = (layout == "padded" and r.n > 1 and scores_from_hidden(self.model)
-                         and not config.actor.gradient_checkpointing)  # fmt: skip
+        # a GRPO group's responses share their prompt: run it once (padded layout, log-probs from the hidden states)
+        share_prompts = layout == "padded" and r.n > 1 and scores_from_hidden(self.model)
         resume_from = checkpoint.to_resume(t.resume, self.output_dir)
         if resume_from is not None:  # before sharding: every rank reads the full weights
             checkpoint.load_policy(resume_from, self.model, is_lora=self.policy.is_lora)

@@ -105,17 +105,6 @@ def load_base(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module
     return model
 
 
-def checkpoint_layers(model: nn.Module, key: str = "actor.gradient_checkpointing") -> None:
-    """Gradient checkpointing of every decoder layer: a layer keeps its input, not its activations, and recomputes
-    them in the backward. Non-reentrant: the frozen base's inputs need no gradient (the reentrant form needs
-    `enable_input_require_grads`), and it nests with `cpu_attention`'s own recompute. transformers drops a KV cache
-    passed to a checkpointed layer, so the micro-batches must not share prompts through one (`Trainer`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not getattr(base, "supports_gradient_checkpointing", False):
-        raise TrainerError(f"{key}=true: {type(base).__name__} does not support gradient checkpointing")
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 class Policy:
     """The trainable model and its reference log-prob context."""
 
