@@ -25,7 +25,8 @@ The checks, in the order they run:
   hf_engine        the HF rollout engine, in the trainer's process and in one of its own: after a step its weights
                    equal the trainer's merge bit for bit, and the adapter it serves generates what the merge generates
   trainer_default  `uv run trainer`'s job without uv (`python3 -m lorarl.trainer.cli`): validation accuracy must rise
-  trainer_smollm2  a random SmolLM2-135M-shaped model in bf16, 20 steps on a reward it can learn: the reward must rise
+  trainer_smollm2  a random SmolLM2-135M-shaped model in bf16 with gradient checkpointing, 20 steps on a reward it can
+                   learn: the reward must rise
   fsdp_one_rank    the data-parallel code path under torchrun with one rank (FSDP2 over NCCL on a GPU): two steps,
                    and the engine holds the merge of the sharded model bit for bit
   merge_throughput `packages/lora_merge/benchmarks/merge_throughput.py --quick` on the device (its JSON lines kept):
@@ -278,7 +279,8 @@ def trainer_smollm2(ctx: Context) -> dict:
     run = run_trainer(ctx, "trainer-smollm2", [
         f"model.path={model}", "model.dtype=bfloat16", f"trainer.device={ctx.device}", f"trainer.steps={steps}",
         "trainer.eval_every=0", f"reward.fn={Path(__file__).resolve()}:even_token_share", "data.batch_size=8",
-        "rollout.n=8", "rollout.max_tokens=16", "actor.lr=1e-3", "algorithm.kl_coef=0"])  # fmt: skip
+        "rollout.n=8", "rollout.max_tokens=16", "actor.lr=1e-3", "actor.gradient_checkpointing=true",
+        "algorithm.kl_coef=0"])  # fmt: skip
     rewards = [r["reward/mean"] for r in run]
     first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
     figures = run_figures(run) | {"reward_first_5": first, "reward_last_5": last}
