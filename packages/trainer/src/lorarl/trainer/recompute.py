@@ -20,9 +20,10 @@ from torch.utils.checkpoint import checkpoint
 from lorarl.trainer.errors import TrainerError
 
 _READ_ONLY = "lorarl_read_only_prefix"  # marks a cache made by read_only_prefix
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")  # a layer's cache, by its names in transformers
 
 
-def checkpoint_layers(model: nn.Module, key: str = "actor.gradient_checkpointing") -> None:
+def checkpoint_layers(model: nn.Module) -> None:
     """Checkpoints every decoder layer of `model` (a transformers model, maybe inside peft) in forwards with
     gradients. Non-reentrant: the frozen base's inputs need no gradient, and it nests with `cpu_attention`'s own
     recompute and FSDP's gathers."""
@@ -30,7 +31,8 @@ def checkpoint_layers(model: nn.Module, key: str = "actor.gradient_checkpointing
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
-        raise TrainerError(f"{key}=true: {type(model).__name__} has no decoder layers transformers can checkpoint")
+        raise TrainerError(f"actor.gradient_checkpointing=true: {type(model).__name__} has no decoder layers "
+                           "transformers can checkpoint")  # fmt: skip
     for layer in layers:
         layer.forward = partial(_checkpointed, layer.forward)
 
@@ -41,8 +43,9 @@ def is_checkpointed(layer: nn.Module) -> bool:
 
 
 def _checkpointed(forward, *args, **kwargs):
-    cache = kwargs.get("past_key_values")
-    if not torch.is_grad_enabled() or (cache is not None and not getattr(cache, _READ_ONLY, False)):
+    writes_a_cache = any(kwargs.get(name) is not None and not getattr(kwargs[name], _READ_ONLY, False)
+                         for name in _CACHE_ARGUMENTS)  # fmt: skip
+    if not torch.is_grad_enabled() or writes_a_cache:
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
