@@ -1,12 +1,13 @@
 """The HF worker's decode loop against independent references: Hugging Face `generate` (greedy), a full forward of
 each prompt + response (its log-probs, so also the KV cache under left padding), transformers' top-p warper, and the
-empirical distribution of many draws."""
+empirical distribution of many draws; with the LM head whole and in slices of the vocabulary."""
 
 import pytest
 import torch
 from tiny_models import tiny_gpt2, tiny_qwen2
 
-from lorarl.trainer.decode import decode, nucleus, sample
+from lorarl.trainer import decode as decode_module
+from lorarl.trainer.decode import decode, nucleus, sample, vocab_sliced
 
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]]
 PAD, EOS = 0, 1
@@ -19,9 +20,16 @@ def left_padded(prompts):
     return ids, mask
 
 
+@pytest.fixture(params=[None, 48], ids=["head-whole", "head-in-slices"])
+def head_slices(request, monkeypatch):
+    """The tiny models' fp32 LM head (128 x 64) in one slice, or in slices of 48 rows (the last of 32)."""
+    if request.param is not None:
+        monkeypatch.setattr(decode_module, "HEAD_SLICE_BYTES", request.param * 64 * 4)
+
+
 @pytest.mark.parametrize("make", [tiny_qwen2, tiny_gpt2])
 @pytest.mark.parametrize("n", [1, 3])
-def test_greedy_equals_hugging_face_generate(make, n):
+def test_greedy_equals_hugging_face_generate(make, n, head_slices):
     """With n > 1 the prompt's prefill is shared: each of its n rows continues from the same cache."""
     model = make()
     ids, mask = left_padded(PROMPTS)
@@ -32,7 +40,7 @@ def test_greedy_equals_hugging_face_generate(make, n):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_sampled_log_probs_are_the_full_forward_ones_at_the_temperature(temperature):
+def test_sampled_log_probs_are_the_full_forward_ones_at_the_temperature(temperature, head_slices):
     model = tiny_qwen2()
     ids, mask = left_padded(PROMPTS)
     g = torch.Generator().manual_seed(3)
@@ -48,6 +56,26 @@ def test_sampled_log_probs_are_the_full_forward_ones_at_the_temperature(temperat
         want = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(response)[:, None])[:, 0]
         torch.testing.assert_close(logp[i, :length], want, atol=1e-5, rtol=0)
         assert (logp[i, length:] == 0).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_vocab_sliced_head_computes_the_float64_logits(monkeypatch, bias):
+    monkeypatch.setattr(decode_module, "HEAD_SLICE_BYTES", 48 * 64 * 4)
+    head = torch.nn.Linear(64, 128, bias=bias)
+    hidden = torch.randn(3, 5, 64)
+    with torch.no_grad(), vocab_sliced(head):
+        assert "forward" in vars(head)  # replaced for the duration
+        got = head(hidden)
+    assert "forward" not in vars(head)
+    bias64 = None if head.bias is None else head.bias.double()
+    want = torch.nn.functional.linear(hidden.double(), head.weight.double(), bias64)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", [torch.nn.Linear(64, 128).bfloat16(), torch.nn.Embedding(128, 64)])
+def test_heads_other_than_a_float32_linear_are_left_alone(head):
+    with vocab_sliced(head):
+        assert "forward" not in vars(head)
 
 
 def test_rows_end_at_eos_then_pad():

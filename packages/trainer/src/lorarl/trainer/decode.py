@@ -6,10 +6,21 @@ computing logits for all of them. Here the prefill computes one position's logit
 (one cumulative sum per row, then a binary search), and only the sampled tokens' log-probs are kept. The `n`
 responses to a prompt share one prefill: its KV cache is computed once and repeated (a GRPO group of 8 prefilled 8
 times was most of a short rollout's work).
+
+On CPU a float32 LM head is also applied a slice of the vocabulary at a time (`vocab_sliced`): torch's GEMM of a few
+rows against a whole vocabulary is slow (2 AVX2 Zen 3 vCPUs, `benchmarks/decode_head.py`: slices of 2 MiB of the
+weight took 0.61-0.74 of its time at 16 and 64 rows, vocabularies of 32768 to 151936; the 46M model's decode of 16
+sequences took 0.90 of its time).
 """
+
+import contextlib
 
 import torch
 from torch import Tensor, nn
+
+from lorarl.trainer.head_logprobs import head_replaced
+
+HEAD_SLICE_BYTES = 2 << 20  # of the head's weight per GEMM: 1 and 4 MiB measured about the same
 
 
 def nucleus(probs: Tensor, top_p: float) -> Tensor:
@@ -31,6 +42,30 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
+@contextlib.contextmanager
+def vocab_sliced(head: nn.Module):
+    """For the duration, a float32 `nn.Linear` head on the CPU computes its logits `HEAD_SLICE_BYTES` of its weight
+    at a time, into one output (each logit is the same dot product; other heads are left as they are)."""
+    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+        yield
+        return
+    rows = max(1, HEAD_SLICE_BYTES // (head.in_features * head.weight.element_size()))
+
+    def forward(hidden: Tensor) -> Tensor:
+        flat = hidden.reshape(-1, head.in_features)
+        out = flat.new_empty(flat.shape[0], head.out_features)
+        for start in range(0, head.out_features, rows):
+            weight = head.weight[start : start + rows].t()
+            if head.bias is None:
+                torch.mm(flat, weight, out=out[:, start : start + rows])
+            else:
+                torch.addmm(head.bias[start : start + rows], flat, weight, out=out[:, start : start + rows])
+        return out.view(*hidden.shape[:-1], head.out_features)
+
+    with head_replaced(head, forward):
+        yield
+
+
 @torch.no_grad()
 def decode(
     model: nn.Module,
@@ -49,6 +84,11 @@ def decode(
     in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when `temperature` is 0. `logp` is each token's log-prob
     under softmax(logits / temperature) (the raw distribution when greedy); after a row's `eos` its tokens are `pad`
     and its log-probs 0. Stops when every row has ended."""
+    with vocab_sliced(model.get_output_embeddings()):
+        return _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator)
+
+
+def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator):
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)

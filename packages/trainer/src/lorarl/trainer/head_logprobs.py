@@ -7,8 +7,11 @@ head the backward recomputes each chunk's logits to form its gradients (the idea
 cross-entropy). Logits are computed in the head's dtype and reduced in fp32 (fp64 stays fp64).
 """
 
+import contextlib
+from collections.abc import Callable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 32 MiB in fp32, whatever the vocabulary
 
@@ -116,3 +119,14 @@ def head_logprobs(
     frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
     ahead = torch.is_grad_enabled() and hidden.requires_grad and frozen
     return _HeadLogprobs.apply(hidden, weight, bias, targets, 1.0 / temperature, entropy_grad, ahead)
+
+
+@contextlib.contextmanager
+def head_replaced(head: nn.Module, forward: Callable[[Tensor], Tensor]):
+    """The LM head computes `forward(hidden_states)` instead of logits for the duration: it runs inside the model's
+    own forward, so wrappers that manage its weight there (FSDP) see an ordinary call."""
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward

@@ -14,7 +14,6 @@ head runs on the response positions alone, chunked (`head_logprobs`). Values are
 `padding.response_from_packed` / `response_from_padded` — one alignment rule for old, reference and current log-probs.
 """
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lorarl.padding import packed_position_ids, response_from_packed, response_from_padded
-from lorarl.trainer.head_logprobs import head_logprobs
+from lorarl.trainer.head_logprobs import head_logprobs, head_replaced
 from lorarl.trainer.recompute import read_only_prefix
 
 LAYOUTS = ("auto", "packed", "padded")
@@ -189,7 +188,7 @@ def _from_response_states(model: nn.Module, micro: MicroBatch, per_token: Callab
     head = model.get_output_embeddings()
     prefix, cache = None, {"use_cache": False}
     if micro.prompts is not None:
-        with _head_replaced(head, lambda hidden: hidden):
+        with head_replaced(head, lambda hidden: hidden):
             out = model(**micro.prompts.inputs, use_cache=True)
         which = micro.prompts.which.to(out.logits.device)
         _select_rows(out.past_key_values, which)
@@ -202,7 +201,7 @@ def _from_response_states(model: nn.Module, micro: MicroBatch, per_token: Callab
         scores.append(per_token(micro.align(full)[micro.mask]))
         return scores[-1]  # also the model's output (FSDP hooks its backward there); a logit transform leaves ours
 
-    with _head_replaced(head, forward):
+    with head_replaced(head, forward):
         model(**micro.inputs, **cache)
     return scores[0]
 
@@ -231,14 +230,3 @@ def _on_slots(values: Tensor, mask: Tensor) -> Tensor:
 def _transforms_logits(model: nn.Module) -> bool:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return any(getattr(config, name, None) is not None for name in LOGIT_TRANSFORMS)
-
-
-@contextlib.contextmanager
-def _head_replaced(head: nn.Module, forward: Callable[[Tensor], Tensor]):
-    """The LM head computes `forward(hidden_states)` instead of logits for the duration: it runs inside the model's
-    own forward, so wrappers that manage its weight there (FSDP) see an ordinary call."""
-    head.forward = forward
-    try:
-        yield
-    finally:
-        del head.forward
