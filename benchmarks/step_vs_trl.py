@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 GB = 1e9
@@ -229,6 +229,7 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, sett
     result_file = output / "result.json"
     command = [sys.executable, __file__, "--worker", side, "--case", case.name, "--model", str(model),
                "--output", str(output), "--steps", str(steps), "--result", str(result_file),
+               "--max-tokens", str(case.max_tokens),
                "--rollout-dtype", settings.rollout_dtype, "--train-dtype", settings.train_dtype,
                "--device", settings.device]  # fmt: skip
     if settings.gradient_checkpointing:
@@ -307,12 +308,14 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--max-tokens", type=int, help=argparse.SUPPRESS)  # the case's, or another's (a variant)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     settings = Settings(args.rollout_dtype, args.train_dtype, args.gradient_checkpointing, args.device)
     if args.worker:
         side = SIDES[args.worker]
-        result = side(CASES[args.case], Path(args.model), Path(args.output), args.steps, settings)
+        case = replace(CASES[args.case], max_tokens=args.max_tokens)
+        result = side(case, Path(args.model), Path(args.output), args.steps, settings)
         Path(args.result).write_text(json.dumps(result))
         return
     names = args.cases.split(",")
