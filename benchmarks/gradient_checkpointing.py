@@ -13,11 +13,10 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
 from pathlib import Path
 
-from step_vs_trl import CASES, GB, Settings, make_model, run_side
+from step_vs_trl import CASES, Settings, make_model, run_side, summary
 
 
 def measure(case, workdir: Path, *, quick: bool, repeats: int, settings: Settings) -> dict:
@@ -30,10 +29,8 @@ def measure(case, workdir: Path, *, quick: bool, repeats: int, settings: Setting
             runs[flag].append(run_side("lorarl", case, model, workdir, steps, on))
     out = {"case": case.name, "prompts": case.prompts, "max_tokens": case.max_tokens,
            "train_dtype": settings.train_dtype}  # fmt: skip
-    for flag, name in ((False, "off"), (True, "on")):
-        out[f"{name}_s_per_step"] = statistics.median(r["s_per_step"] for r in runs[flag])
-        out[f"{name}_runs_s_per_step"] = [round(r["s_per_step"], 4) for r in runs[flag]]
-        out[f"{name}_peak_rss_gb"] = max(r["peak_rss"] for r in runs[flag]) / GB
+    out.update(summary("off", runs[False]))
+    out.update(summary("on", runs[True]))
     out["time_ratio"] = out["on_s_per_step"] / out["off_s_per_step"]
     out["memory_ratio"] = out["on_peak_rss_gb"] / out["off_peak_rss_gb"]
     return out

@@ -269,9 +269,7 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, settings: S
            "timed_steps": timed, "train_dtype": settings.train_dtype,
            "gradient_checkpointing": settings.gradient_checkpointing}  # fmt: skip
     for side, side_runs in runs.items():
-        out[f"{side}_s_per_step"] = statistics.median(r["s_per_step"] for r in side_runs)
-        out[f"{side}_runs_s_per_step"] = [round(r["s_per_step"], 4) for r in side_runs]
-        out[f"{side}_peak_rss_gb"] = max(r["peak_rss"] for r in side_runs) / GB
+        out.update(summary(side, side_runs))
         last = max(1, timed // 2)
         out[f"{side}_final_reward"] = statistics.mean(r for run in side_runs for r in run["rewards"][-last:])
         out[f"{side}_rollout_dtype"] = side_runs[0]["rollout_dtype"]
@@ -280,6 +278,15 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, settings: S
     out["speedup"] = out["trl_s_per_step"] / out["lorarl_s_per_step"]
     out["memory_ratio"] = out["lorarl_peak_rss_gb"] / out["trl_peak_rss_gb"]
     return out
+
+
+def summary(prefix: str, runs: list[dict]) -> dict:
+    """One side's runs: seconds per step (the median over the runs, and each run's) and the peak tree RSS."""
+    return {
+        f"{prefix}_s_per_step": statistics.median(r["s_per_step"] for r in runs),
+        f"{prefix}_runs_s_per_step": [round(r["s_per_step"], 4) for r in runs],
+        f"{prefix}_peak_rss_gb": max(r["peak_rss"] for r in runs) / GB,
+    }
 
 
 def main() -> None:
