@@ -22,7 +22,8 @@ def left_padded(prompts):
 
 @pytest.fixture(params=[None, 48], ids=["head-whole", "head-in-slices"])
 def head_slices(request, monkeypatch):
-    """The tiny models' fp32 LM head (128 x 64) in one slice, or in slices of 48 rows (the last of 32)."""
+    """The tiny models' fp32 LM head (128 x 64) whole (smaller than a slice), or in slices of 48 rows (the last of
+    32)."""
     if request.param is not None:
         monkeypatch.setattr(decode_module, "HEAD_SLICE_BYTES", request.param * 64 * 4)
 
@@ -72,7 +73,9 @@ def test_a_vocab_sliced_head_computes_the_float64_logits(monkeypatch, bias):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head", [torch.nn.Linear(64, 128).bfloat16(), torch.nn.Embedding(128, 64)])
+@pytest.mark.parametrize(
+    "head", [torch.nn.Linear(64, 128).bfloat16(), torch.nn.Embedding(128, 64), torch.nn.Linear(64, 128)]
+)  # the last fits in one slice
 def test_heads_other_than_a_float32_linear_are_left_alone(head):
     with vocab_sliced(head):
         assert "forward" not in vars(head)

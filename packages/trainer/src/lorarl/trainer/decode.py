@@ -7,10 +7,10 @@ computing logits for all of them. Here the prefill computes one position's logit
 responses to a prompt share one prefill: its KV cache is computed once and repeated (a GRPO group of 8 prefilled 8
 times was most of a short rollout's work).
 
-On CPU a float32 LM head is also applied a slice of the vocabulary at a time (`vocab_sliced`): torch's GEMM of a few
-rows against a whole vocabulary is slow (2 AVX2 Zen 3 vCPUs, `benchmarks/decode_head.py`: slices of 2 MiB of the
-weight took 0.61-0.74 of its time at 16 and 64 rows, vocabularies of 32768 to 151936; the 46M model's decode of 16
-sequences took 0.90 of its time).
+On CPU a float32 LM head larger than a slice is applied a slice of the vocabulary at a time (`vocab_sliced`): torch's
+GEMM of a few rows against a whole vocabulary is slow (2 AVX2 Zen 3 vCPUs, `benchmarks/decode_head.py`: slices of
+2 MiB of the weight took 0.61-0.74 of its time at 16 and 64 rows, vocabularies of 32768 to 151936; the 46M model's
+decode of 16 sequences took 0.90 of its time).
 """
 
 import contextlib
@@ -44,9 +44,12 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
 @contextlib.contextmanager
 def vocab_sliced(head: nn.Module):
-    """For the duration, a float32 `nn.Linear` head on the CPU computes its logits `HEAD_SLICE_BYTES` of its weight
-    at a time, into one output (each logit is the same dot product; other heads are left as they are)."""
-    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+    """For the duration, a float32 `nn.Linear` head on the CPU larger than `HEAD_SLICE_BYTES` computes its logits that
+    much of its weight at a time, into one output (each logit is the same dot product; other heads are left as they
+    are)."""
+    large = (type(head) is nn.Linear and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
+             and head.weight.nbytes > HEAD_SLICE_BYTES)  # fmt: skip
+    if not large:
         yield
         return
     rows = max(1, HEAD_SLICE_BYTES // (head.in_features * head.weight.element_size()))
