@@ -199,6 +199,24 @@ def test_cpp_op_large_outputs_written_around_the_caches(dtype):
     assert_merged_close(out, weight, lora_A, lora_B, 0.75)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpp_op_special_values_survive_in_large_outputs(weight_dtype):
+    """Special values in an output written around the caches (on AVX2 through a staging tile in L1), fp32 weights
+    rounded to bf16 among them: NaNs of any payload stay NaN (0x7fffffff would round to -0 on the bits alone), the
+    rest round exactly."""
+    out_dtype = torch.bfloat16 if weight_dtype == torch.float32 else weight_dtype
+    values = torch.tensor(SPECIAL_VALUES[out_dtype])
+    if weight_dtype == torch.float32:
+        values[:2] = torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)  # NaNs, low bits set
+    weight = values.repeat(1024 * 2048 // 8).view(1024, 2048).to(weight_dtype)
+    weight[::7] = torch.randn(2048).to(weight_dtype)  # tiles without special values between those with them
+    out = torch.zeros(weight.shape, dtype=out_dtype)
+    assert out.nbytes >= 4 << 20
+    merge_lora(weight, torch.zeros(2, 2048), torch.zeros(1024, 2), 1.0, out=out, backend="cpp")
+    assert torch.equal(out.isnan(), weight.isnan())
+    assert torch.equal(out[~out.isnan()], weight[~weight.isnan()].to(out_dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpp_op_large_merges_in_place(dtype):
     """In place, outputs of 4 MiB and more are written by regular stores (their lines were just read into the
