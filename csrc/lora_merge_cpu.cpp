@@ -527,11 +527,6 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
   // half, as vdpbf16ps pairs them).
   const int64_t r = kPairs ? rank / 2 : rank;
   const float* const tile_left = kPairs ? reinterpret_cast<const float*>(factors.left_bf16) : left;
-  // right [rank, n] -> panels [n / kCols][r][kCols]: scaled (fp32), or pairs of rows interleaved (kPairs: unscaled,
-  // the tiles scale their sums); each micro-tile then reads one contiguous r x kCols block. Left uninitialised until
-  // packed (zero-filling it first cost 0.6-0.7% of a 4096 x 4096 rank-32 bf16 merge), and 64-byte aligned by torch's
-  // allocator, so no panel vector straddles two cache lines (`new float[]` is only 16-byte aligned: 1.01-1.05x at
-  // rank 8 in the benchmark's setting, between peft merges and GEMMs; neutral back to back).
   // left [m, r] -> [m / kRows][r][kRows] (the last tile's missing rows zero): a tile's rank step reads its values
   // from one place, and the tile needs one pointer to them instead of one per row (fewer registers spilled: 1.05x
   // faster for 16-bit W at ranks 8 and 32, 1.25x for fp32 W at rank 8 on a 2-core Zen 3's AVX2, interleaved A/B).
@@ -549,6 +544,11 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
         }
   });
   const float* const tiles_left = static_cast<const float*>(left_storage.const_data_ptr());
+  // right [rank, n] -> panels [n / kCols][r][kCols]: scaled (fp32), or pairs of rows interleaved (kPairs: unscaled,
+  // the tiles scale their sums); each micro-tile then reads one contiguous r x kCols block. Left uninitialised until
+  // packed (zero-filling it first cost 0.6-0.7% of a 4096 x 4096 rank-32 bf16 merge), and 64-byte aligned by torch's
+  // allocator, so no panel vector straddles two cache lines (`new float[]` is only 16-byte aligned: 1.01-1.05x at
+  // rank 8 in the benchmark's setting, between peft merges and GEMMs; neutral back to back).
   const at::Tensor packed_storage = at::empty({panels * r * kCols}, at::kFloat);
   float* const packed = packed_storage.mutable_data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
