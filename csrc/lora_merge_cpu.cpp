@@ -459,7 +459,7 @@ __attribute__((noinline)) void merge_tile(const TW* w, TO* out, int64_t ld, cons
       for (int64_t j = 0; j < kCols; j += 32 / sizeof(TO)) {
         __m256i line_half;
         std::memcpy(&line_half, staged + i * kCols + j, sizeof line_half);
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i * ld + j), line_half);
+        put<true>(out + i * ld + j, line_half);
       }
 #endif
   } else {
@@ -526,7 +526,6 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
   // panel (an fp32, or two bf16) and one of each row of `left` (the bf16 rows then read as pairs: rank 2k in the low
   // half, as vdpbf16ps pairs them).
   const int64_t r = kPairs ? rank / 2 : rank;
-  const float* const tile_left = kPairs ? reinterpret_cast<const float*>(factors.left_bf16) : left;
   // left [m, r] -> [m / kRows][r][kRows] (the last tile's missing rows zero): a tile's rank step reads its values
   // from one place, and the tile needs one pointer to them instead of one per row (fewer registers spilled: 1.05x
   // faster for 16-bit W at ranks 8 and 32, 1.25x for fp32 W at rank 8 on a 2-core Zen 3's AVX2, interleaved A/B).
@@ -534,7 +533,8 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
   const int64_t row_tiles = (m + kRows - 1) / kRows;
   const at::Tensor left_storage = at::empty({row_tiles * r * kRows}, at::kFloat);
   uint32_t* const left_packed = static_cast<uint32_t*>(left_storage.mutable_data_ptr());
-  const uint32_t* const left_bits = reinterpret_cast<const uint32_t*>(tile_left);
+  const uint32_t* const left_bits = kPairs ? reinterpret_cast<const uint32_t*>(factors.left_bf16)
+                                           : reinterpret_cast<const uint32_t*>(left);
   at::parallel_for(0, row_tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t k = 0; k < r; ++k)
@@ -543,7 +543,7 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
           left_packed[(t * r + k) * kRows + i] = row < m ? left_bits[row * r + k] : 0u;
         }
   });
-  const float* const tiles_left = static_cast<const float*>(left_storage.const_data_ptr());
+  const float* const tile_left = static_cast<const float*>(left_storage.const_data_ptr());
   // right [rank, n] -> panels [n / kCols][r][kCols]: scaled (fp32), or pairs of rows interleaved (kPairs: unscaled,
   // the tiles scale their sums); each micro-tile then reads one contiguous r x kCols block. Left uninitialised until
   // packed (zero-filling it first cost 0.6-0.7% of a 4096 x 4096 rank-32 bf16 merge), and 64-byte aligned by torch's
@@ -595,7 +595,8 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
             with_tile_rows(std::min(kRows, row1 - row), [&](auto rows) {
               const int64_t at = row * n + p * kCols;
               const int64_t next = std::min(m - 1, next_row) * n + next_p * kCols;
-              merge_tile<decltype(rows)::value, kStream, kPairs>(w + at, out + at, n, tiles_left + (row / kRows) * r * kRows, r,
+              const float* const rows_left = tile_left + (row / kRows) * r * kRows;
+              merge_tile<decltype(rows)::value, kStream, kPairs>(w + at, out + at, n, rows_left, r,
                                                                  &packed[p * r * kCols], w + next, next_panel, scale);
             });
           }
