@@ -1,5 +1,6 @@
 """What each process of a weight-sync test does (module-level functions: they are started with spawn)."""
 
+import gc
 import time
 
 import torch
@@ -313,3 +314,35 @@ def receive_adapter(group, rank):
         "config": config,
         "version": version,
     }
+
+
+def send_noting_the_collector(group, rank):
+    """The mixed tensors from a lazy iterator that notes whether Python's collector is enabled as each is taken."""
+    tensors = mixed_tensors()
+    manifest = [TensorSpec.of(n, t) for n, t in tensors.items()]
+    seen = []
+
+    def pairs():
+        for item in tensors.items():
+            seen.append(gc.isenabled())
+            yield item
+
+    BucketSender(group, bucket_bytes=SMALL_BUCKET).send(pairs(), version=1, manifest=manifest)
+    return {"during": set(seen), "after": gc.isenabled()}
+
+
+class NotesTheCollector:
+    """A `load_weights` target that notes whether Python's collector is enabled as each tensor arrives."""
+
+    def __init__(self):
+        self.seen = []
+
+    def load_weights(self, weights):
+        for _ in weights:
+            self.seen.append(gc.isenabled())
+
+
+def load_noting_the_collector(group, rank):
+    target = NotesTheCollector()
+    BucketReceiver(group).load_into(target)
+    return {"during": set(target.seen), "after": gc.isenabled()}

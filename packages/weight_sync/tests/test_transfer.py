@@ -57,6 +57,14 @@ def test_large_tensors_land_in_buffers_reused_from_transfer_to_transfer():
     assert got["reused"]
 
 
+def test_the_garbage_collector_waits_for_the_transfer_on_both_sides():
+    """A transfer allocates many small objects per tensor; the automatic collections they would start (each full one
+    walks every object of a trainer) wait until it is over, and the collector runs again after."""
+    out = run_group([w.send_noting_the_collector, w.load_noting_the_collector])
+    assert ok(out, 0) == {"during": {False}, "after": True}
+    assert ok(out, 1) == {"during": {False}, "after": True}
+
+
 def test_load_weights_target_gets_copies_it_may_keep():
     out = run_group([w.send_mixed, w.load_weights_target])
     assert ok(out, 1) == {"version": 7, "equal": True}

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lorarl.weight_sync.gc_pause import gc_paused
 from lorarl.weight_sync.protocol import (
     CONTROL_BYTES,
     DTYPES,
@@ -109,6 +110,7 @@ class BucketReceiver:
         for name, tensor, _ in self._tensors(transfer):
             yield name, tensor
 
+    @gc_paused()
     def receive_adapter(self) -> tuple[dict[str, torch.Tensor], dict, int]:
         """Receive an adapter transfer: `(tensors, peft adapter config, version)`; the tensors are owned copies."""
         transfer = self._start("adapter")
@@ -116,6 +118,7 @@ class BucketReceiver:
         tensors = {name: tensor.clone() for name, tensor, _ in self._tensors(transfer)}
         return tensors, transfer.header.adapter_config or {}, transfer.header.version
 
+    @gc_paused()
     def load_into(self, target: nn.Module | object, *, strict: bool = True) -> int:
         """Receive one transfer of weights into `target` and return its version.
 
@@ -149,6 +152,7 @@ class BucketReceiver:
 
     # --- the transfer itself -----------------------------------------------------------------------------------
 
+    @gc_paused()
     def _start(self, kind: str) -> _Transfer:
         raw = self.channel.broadcast_bytes(None, "transfer header")
         header = TransferHeader.decode(raw)
@@ -196,6 +200,7 @@ class BucketReceiver:
             self._check_entries(transfer, bucket)
         return bucket, payload, direct
 
+    @gc_paused()
     def _post_bucket(self, transfer: _Transfer, check: bool) -> _Posted:
         """Wait for the next bucket's control message, check its header, post the receives of its payload and
         direct entries, then post the following control message."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lorarl.weight_sync.gc_pause import gc_paused
 from lorarl.weight_sync.protocol import (
     ALIGN,
     CONTROL_BYTES,
@@ -71,6 +72,7 @@ class BucketSender:
         self.direct_bytes = direct_bytes
         self.verify = verify
 
+    @gc_paused()
     def send(
         self, named_tensors: NamedTensors, *, version: int, manifest: Sequence[TensorSpec | tuple] | None = None
     ) -> SyncStats:
@@ -89,6 +91,7 @@ class BucketSender:
         header = TransferHeader(version, "weights", self.bucket_bytes, self.verify, manifest)
         return self._transfer(header, pairs, trusted_manifest=own_manifest)
 
+    @gc_paused()
     def send_adapter(self, tensors: Mapping[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
         """Send only a LoRA adapter (its tensors and peft config, e.g. `peft_config.to_dict()`: sets and enums are
         written as JSON lists and values), for engines that serve it unmerged."""
