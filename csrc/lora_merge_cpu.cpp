@@ -471,12 +471,12 @@ LORARL_REGISTER_TILE void merge_register_tile(const TW* w, TO* out, int64_t ld, 
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i)
       LORARL_UNROLL
-      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] = Vec<TW>::load(w + i * ld + v * kLanes) + scale * acc[i][v];
+      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] = load_w<TW, TO>(w + i * ld, v) + scale * acc[i][v];
   } else if constexpr (!kStartFromW) {
     LORARL_UNROLL
     for (int64_t i = 0; i < R; ++i)
       LORARL_UNROLL
-      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += Vec<TW>::load(w + i * ld + v * kLanes);
+      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += load_w<TW, TO>(w + i * ld, v);
   }
   store_tile<R, kStream, kPairedColumns<TW, TO>>(out, opaque(out_ld), acc);
 }
@@ -499,11 +499,7 @@ __attribute__((always_inline)) inline void merge_register_tiles(const TW* w, TO*
 template <int64_t R, bool kStream, bool kPairs, typename TW, typename TO>
 __attribute__((noinline)) void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r,
                                           const float* panel, const TW* next, const float* next_panel, float scale) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  constexpr bool kStaged = kStream && kRegCols * sizeof(TO) < 64;
-#else
-  constexpr bool kStaged = false;
-#endif
+  constexpr bool kStaged = kAvx2Tiles && kStream && kRegCols * sizeof(TO) < 64;
   if constexpr (kStaged) {
     alignas(64) TO staged[R * kCols];
     merge_register_tiles<0, R, false, kPairs>(w, staged, ld, kCols, left, r, panel, next, next_panel, scale);
