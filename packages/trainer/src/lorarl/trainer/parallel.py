@@ -21,6 +21,7 @@ class DataParallel:
     rank: int
     world: int
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    device: torch.device  # this rank's device, where collectives run
 
     @property
     def is_main(self) -> bool:
@@ -37,9 +38,11 @@ class DataParallel:
         return box[0]
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        summed = tensor.clone()
+        """The elementwise sum over the ranks, on `tensor`'s device. The reduction runs on the mesh's device: NCCL
+        has no CPU tensors, and metrics are gathered on the CPU."""
+        summed = tensor.to(self.device, copy=True)
         dist.all_reduce(summed)
-        return summed
+        return summed.to(tensor.device)
 
     def sum_metrics(self, values: dict[str, float]) -> dict[str, float]:
         """Per-key sums over the ranks (every rank reports the same keys, possibly 0)."""
@@ -61,7 +64,7 @@ def setup_data_parallel(device: torch.device) -> tuple[DataParallel | None, torc
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DataParallel(dist.get_rank(), world, init_device_mesh(device.type, (world,))), device
+    return DataParallel(dist.get_rank(), world, init_device_mesh(device.type, (world,)), device), device
 
 
 def shard(model: nn.Module, mesh) -> None:

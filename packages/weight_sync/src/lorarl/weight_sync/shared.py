@@ -75,6 +75,8 @@ def share_buckets(
     (`TensorSpec`s or `(name, shape, dtype)` tuples), like `BucketSender.send`, as they come: errors surface while
     iterating (inside `BucketMailbox.post`, which then tells the consumers). The buffer lives on `device`."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current GPU: compare tensors' devices to it
+        device = torch.device("cuda", torch.cuda.current_device())
     specs = [TensorSpec.coerce(spec) for spec in manifest] if manifest is not None else None
     direct_bytes = min(direct_bytes, bucket_bytes)
     buffer: torch.Tensor | None = None  # allocated on first use, then reused
