@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny models built in code (no downloads), for every package's tests."""
 
+import importlib.util
 import os
 
 import pytest
@@ -7,6 +8,9 @@ from tiny_models import tiny_gpt2, tiny_qwen2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the tests against the real vLLM engine run in vLLM's CPU environment (tests/test_vllm_cpu.py starts them there)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["tests/vllm_cpu"]
 
 
 @pytest.fixture

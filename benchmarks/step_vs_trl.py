@@ -16,6 +16,11 @@ model, tokenizer, prompts, reward and settings:
 - sampling: TRL without vLLM generates with its training model (in the training dtype); lorarl's engine at its default
   `rollout.dtype=auto` samples in bf16 where the CPU computes it natively, as a vLLM engine would (the JSON's
   `lorarl_rollout_dtype`). `--rollout-dtype float32` makes lorarl sample in fp32 too.
+- `--rollout-engine vllm`: vLLM generates on both sides — lorarl's `rollout.engine=vllm` (inline: in its process),
+  TRL's `use_vllm=True, vllm_mode="colocate"` (in its process too) — with the same engine settings on both: the dtype
+  (`--rollout-dtype`, `auto` resolved as lorarl resolves it), eager mode and the KV cache size on a CPU (vLLM's CPU
+  build; TRL's `LLM` call is given them, as it has no keys of its own for them). Run it in the vLLM CPU environment:
+  `scripts/vllm_cpu_env.sh --bench`, then `.venv-vllm-cpu/bin/python benchmarks/step_vs_trl.py --rollout-engine vllm`.
 
 Per case it prints `case, lorarl_s_per_step, trl_s_per_step, speedup` (TRL's time / lorarl's: > 1 is lorarl faster),
 `lorarl_peak_rss_gb, trl_peak_rss_gb` (the sum of the resident memory of the whole process tree, the rollout worker
@@ -25,7 +30,7 @@ is JIT-built once per machine (then cached): it is built before the first run, s
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
         [--rollout-dtype auto|float32|bfloat16] [--train-dtype float32|bfloat16] [--gradient-checkpointing]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--rollout-engine hf|vllm]
 
 On a GPU (`--device cuda`) each side also reports the peak GPU memory torch allocated in its process (`*_cuda_peak_gb`;
 lorarl's engine is in that process).
@@ -79,11 +84,22 @@ class Settings:
     train_dtype: str  # the base model's dtype on both sides
     gradient_checkpointing: bool  # on both sides
     device: str
+    rollout_engine: str = "hf"  # lorarl's rollout.engine; "vllm": TRL generates with vLLM too
 
 
 GENERATIONS = 8
 RANK, ALPHA = 16, 32.0
 SEED = 0
+VLLM_KV_CACHE_GB = 1.0  # a vLLM engine's KV cache on a CPU, on both sides
+
+
+def engine_dtype(settings: Settings):
+    """The rollout engine's dtype: `--rollout-dtype`, with `auto` resolved as lorarl's trainer resolves it."""
+    import torch
+
+    from lorarl.trainer.models import rollout_dtype
+
+    return rollout_dtype(settings.rollout_dtype, getattr(torch, settings.train_dtype), torch.device(settings.device))
 
 
 def make_model(case: Case, directory: Path) -> Path:
@@ -121,6 +137,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         "algorithm.kl_coef=0", f"trainer.steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={output}",
         f"trainer.seed={SEED}", f"trainer.device={settings.device}",
         f"actor.gradient_checkpointing={settings.gradient_checkpointing}",
+        f"rollout.engine={settings.rollout_engine}", f"rollout.kv_cache_gb={VLLM_KV_CACHE_GB}",
     ])  # fmt: skip
     trainer = Trainer(config)
     ends, rewards = [], []
@@ -170,13 +187,23 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
 
     samples = case.prompts * GENERATIONS
     bf16 = settings.train_dtype == "bfloat16"
+    vllm = settings.rollout_engine == "vllm"
+    if vllm:  # TRL has no keys for these: its LLM call gets what lorarl's engine has
+        from functools import partial
+
+        import trl.generation.vllm_generation as trl_vllm
+
+        engine = {"dtype": str(engine_dtype(settings)).removeprefix("torch.")}
+        if settings.device == "cpu":
+            engine.update(enforce_eager=True, kv_cache_memory_bytes=int(VLLM_KV_CACHE_GB * (1 << 30)))
+        trl_vllm.LLM = partial(trl_vllm.LLM, **engine)
     args = GRPOConfig(
         output_dir=str(output), max_steps=steps, per_device_train_batch_size=samples, gradient_accumulation_steps=1,
         num_generations=GENERATIONS, max_completion_length=case.max_tokens, temperature=1.0, top_p=1.0,
         learning_rate=case.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
         beta=0.0, loss_type="dapo", epsilon=0.2, bf16=bf16, gradient_checkpointing=settings.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
-        use_cpu=settings.device == "cpu",
+        use_cpu=settings.device == "cpu", use_vllm=vllm, vllm_mode="colocate",
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=SEED,
     )  # fmt: skip
     trainer = GRPOTrainer(
@@ -189,7 +216,8 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
     return {
         "step_ends": ends,
         "rewards": rewards,
-        "rollout_dtype": settings.train_dtype,  # it samples with its training model
+        # without vLLM it samples with its training model
+        "rollout_dtype": str(engine_dtype(settings)).removeprefix("torch.") if vllm else settings.train_dtype,
         **cuda_peak(settings.device),
     }
 
@@ -231,7 +259,7 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, sett
                "--output", str(output), "--steps", str(steps), "--result", str(result_file),
                "--max-tokens", str(case.max_tokens),
                "--rollout-dtype", settings.rollout_dtype, "--train-dtype", settings.train_dtype,
-               "--device", settings.device]  # fmt: skip
+               "--device", settings.device, "--rollout-engine", settings.rollout_engine]  # fmt: skip
     if settings.gradient_checkpointing:
         command.append("--gradient-checkpointing")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -266,7 +294,7 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, settings: S
         for side in ("lorarl", "trl"):  # interleaved: A, B, A, B
             runs[side].append(run_side(side, case, model, workdir, steps, settings))
     out = {"case": case.name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
-           "timed_steps": timed, "train_dtype": settings.train_dtype,
+           "timed_steps": timed, "train_dtype": settings.train_dtype, "rollout_engine": settings.rollout_engine,
            "gradient_checkpointing": settings.gradient_checkpointing}  # fmt: skip
     for side, side_runs in runs.items():
         out.update(summary(side, side_runs))
@@ -310,6 +338,8 @@ def main() -> None:
         "--gradient-checkpointing", action="store_true", help="both sides recompute every decoder layer in the backward"
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides train and sample")
+    parser.add_argument("--rollout-engine", default="hf", choices=("hf", "vllm"),
+                        help="lorarl's engine; vllm: both sides generate with vLLM (TRL's colocate mode)")  # fmt: skip
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -318,7 +348,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, help=argparse.SUPPRESS)  # the case's, or another's (a variant)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    settings = Settings(args.rollout_dtype, args.train_dtype, args.gradient_checkpointing, args.device)
+    settings = Settings(
+        args.rollout_dtype, args.train_dtype, args.gradient_checkpointing, args.device, args.rollout_engine
+    )
     if args.worker:
         side = SIDES[args.worker]
         case = replace(CASES[args.case], max_tokens=args.max_tokens)

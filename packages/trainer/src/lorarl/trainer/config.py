@@ -142,6 +142,8 @@ def _check_values(config: Config) -> None:
         choices, low, high = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
         if choices and value not in choices:
             raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(str, choices))}")
+        if value is None:  # an optional key left unset
+            continue
         if (low is not None and value < low) or (high is not None and value > high):
             expected = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
             raise ConfigError(f"{key}={value!r}: expected a value {expected}")

@@ -239,7 +239,8 @@ class Trainer:
         adapter_rank = self.model.peft_config["default"].r if r.sync != "merged" else None
         context = EngineContext(str(self.policy.path), self.rollout_dtype, str(self.device),
                                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed, adapter_rank,
-                                r.overlap)  # fmt: skip
+                                r.overlap, self.config.data.batch_size * r.n,
+                                self.config.data.max_prompt_tokens + r.max_tokens)  # fmt: skip
         engine = start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
         self.engine = self.rollouts.engine = self.weights.engine = engine
         return engine

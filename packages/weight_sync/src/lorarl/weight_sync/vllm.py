@@ -1,127 +1,151 @@
-"""vLLM integration: a worker extension that receives weights through a lorarl sync group, and its trainer-side driver.
+"""lorarl's weight transfer into vLLM, through vLLM's own weight-update API (its RL API).
 
-    llm = LLM(model=path, worker_extension_cls="lorarl.weight_sync.vllm.WeightSyncWorkerExtension", ...)
-    sync = VllmWeightSync(llm, backend="nccl")           # the trainer is rank 0, every vLLM worker joins
-    sync.send(iter_merged_weights(model), version=step, manifest=merged_weight_specs(model))
+    llm = LLM(model=path, weight_transfer_config={"backend": "lorarl"}, ...)
+    transfer = VllmWeightTransfer(OfflineClient(llm), channel="gloo", workers=1)   # every worker joins
+    transfer.send(iter_merged_weights(model), version=step, manifest=merged_weight_specs(model))
+    path = transfer.send_adapter(tensors, peft_config, version=step, directory=d)  # for a LoRARequest
 
-Every worker (each tensor-parallel rank of every engine) receives the full tensors and hands them to its model's
-`load_weights`, which shards them; then vLLM's post-load processing runs (repacking, quantization). A colocated
-engine is handed the tensors directly when its worker shares the trainer's process (`lorarl_load_weights`), or as
-shared buckets (CUDA IPC, `lorarl.weight_sync.shared`) when its tensor-parallel workers are processes of their own
-on the trainer's GPUs (`lorarl_join_mailbox`, `lorarl_load_from_mailbox`). Importing this module does
-not import vLLM; the extension's methods do, inside the worker.
+The receiving side is `vllm_engine.LorarlWeightTransferEngine`, registered with vLLM's `WeightTransferEngineFactory`
+as "lorarl" by `register` — a vLLM general plugin (entry point `vllm.general_plugins`), so every vLLM process knows it.
+It applies a version only once the whole of it has arrived and checked out, so a failed transfer leaves the previous
+version serving (see that module). `VllmWeightTransfer` is the trainer's side: it sends with lorarl's bucketed,
+versioned, checksummed `BucketSender` while vLLM's `update_weights` receives, over
+
+    gloo   CPU tensors, to an engine in another process (vLLM's CPU build);
+    nccl   GPU tensors, to an engine on GPUs of its own;
+    ipc    CUDA IPC handles of the trainer's buffers, to an engine's worker processes on the trainer's GPUs;
+    local  the tensors themselves, to an engine whose worker shares the trainer's process (no wire, no copy).
+
+`client` is anything with vLLM's four weight-sync calls taking plain dicts (vLLM's `VLLMWeightSyncClient` protocol):
+vLLM's HTTP and Ray clients for a server or an actor, `OfflineClient` for an `LLM` object. Importing this module does
+not import vLLM.
 """
 
 import concurrent.futures
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from lorarl.weight_sync.adapter_dir import save_adapter
 from lorarl.weight_sync.group import create_sync_group, free_port
-from lorarl.weight_sync.protocol import TensorSpec, TransferError
-from lorarl.weight_sync.receiver import BucketReceiver
-from lorarl.weight_sync.sender import DEFAULT_BUCKET_BYTES, BucketSender, SyncStats
-from lorarl.weight_sync.shared import BucketMailbox
+from lorarl.weight_sync.protocol import TensorSpec
+from lorarl.weight_sync.sender import DEFAULT_BUCKET_BYTES, BucketSender, SyncStats, check_pair, pairs_of
+from lorarl.weight_sync.shared import BucketMailbox, share_buckets
+
+BACKEND = "lorarl"
+CHANNELS = ("gloo", "nccl", "ipc", "local")
+INCOMPLETE = "lorarl: the engine holds an incomplete version"  # in the error of an update that failed while applied
 
 
-class WeightSyncWorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`): uses the worker's `model_runner` and `device`."""
-
-    def lorarl_sync_rank(self, rank_offset: int) -> int:
-        """This worker's rank in the sync group: its rank among the engine's workers, after the trainer's."""
-        from vllm.distributed.parallel_state import get_world_group
-
-        return get_world_group().rank + rank_offset
-
-    def lorarl_join_sync_group(
-        self, host: str, port: int, world_size: int, rank_offset: int, backend: str = "nccl", timeout: float = 300.0
-    ) -> int:
-        rank = self.lorarl_sync_rank(rank_offset)
-        group = create_sync_group(host, port, world_size, rank, backend=backend, timeout=timeout)
-        device = self.device if backend == "nccl" else "cpu"
-        self._lorarl_receiver = BucketReceiver(group, src=0, device=device, timeout=timeout)
-        return rank
-
-    def lorarl_receive_weights(self) -> int:
-        """Receive one version of the weights into the model; returns the version (all-or-error, see load_into)."""
-        model = self.model_runner.model
-        version = self._lorarl_receiver.load_into(model)
-        finish_loading(model, self.model_runner.model_config, self.device)
-        return version
-
-    def lorarl_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-        """Load weights handed over inside this process — a colocated engine, whose worker shares the trainer's
-        process and GPU, needs no transfer — then vLLM's post-load processing. Returns (tensors, bytes) loaded."""
-        counts = [0, 0]
-
-        def counted():
-            for name, tensor in named_tensors:
-                counts[0] += 1
-                counts[1] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        model = self.model_runner.model
-        model.load_weights(counted())
-        finish_loading(model, self.model_runner.model_config, self.device)
-        return counts[0], counts[1]
-
-    def lorarl_join_mailbox(self, host: str, port: int, consumers: int, timeout: float = 300.0) -> int:
-        """Join a colocated trainer's `BucketMailbox` (tensor-parallel workers are processes of their own on the
-        trainer's GPUs: they read its buckets through CUDA IPC). Returns this worker's consumer rank."""
-        rank = self.lorarl_sync_rank(1)
-        self._lorarl_mailbox = BucketMailbox(host, port, rank=rank, consumers=consumers, timeout=timeout)
-        return rank
-
-    def lorarl_load_from_mailbox(self) -> tuple[int, int, int]:
-        """Load one transfer posted to the mailbox — all its buckets in one `load_weights` call, each tensor copied
-        onto this worker's device — then vLLM's post-load processing. Returns `(version, tensors, bytes)`."""
-        tensors, nbytes = self.lorarl_load_weights(self._lorarl_mailbox.receive(self.device))
-        return self._lorarl_mailbox.version, tensors, nbytes
-
-    def lorarl_receive_adapter(self, directory: str) -> tuple[int, str]:
-        """Receive a LoRA adapter and write it as a peft adapter directory (for a `LoRARequest`); every worker takes
-        part in the transfer, the engine's first worker writes the files. Returns `(version, directory)`."""
-        tensors, config, version = self._lorarl_receiver.receive_adapter()
-        from vllm.distributed.parallel_state import get_world_group
-
-        if get_world_group().rank == 0:
-            save_adapter(tensors, config, Path(directory) / f"v{version}")
-        return version, str(Path(directory) / f"v{version}")
+def adapter_path(directory: str | Path, version: int) -> Path:
+    """Where the engine's first worker writes adapter version `version` (a peft directory) under `directory`."""
+    return Path(directory) / f"v{version}"
 
 
-def finish_loading(model: torch.nn.Module, model_config: object, device: torch.device) -> None:
-    """vLLM's post-load processing (repacks fused/quantized weights after `load_weights`)."""
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+def register() -> None:
+    """Make the "lorarl" weight-transfer backend known to vLLM (run by vLLM in each of its processes, as a plugin)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    process_weights_after_loading(model, model_config, device)
+    with contextlib.suppress(ValueError):  # already registered
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "lorarl.weight_sync.vllm_engine", "LorarlWeightTransferEngine"
+        )
 
 
-class VllmWeightSync:
-    """Trainer side: join a sync group with every worker of a vLLM `LLM` built with `WeightSyncWorkerExtension`, then
-    send weight versions to them (the workers are driven by `LLM.collective_rpc` while this process sends)."""
+class OfflineClient:
+    """vLLM's weight-sync calls of an offline `vllm.LLM`, as vLLM's HTTP and Ray clients offer them for a server or
+    an actor."""
+
+    def __init__(self, llm: object):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+# --- the "local" channel: tensors handed to a worker of the same process -----------------------------------------
+
+_handoffs: dict[int, tuple[int, object, object]] = {}
+_handoff_ids = itertools.count(1)
+_handoff_lock = threading.Lock()
+
+
+def hand_off(version: int, payload: object, config: object = None) -> int:
+    """Leave `payload` (named tensors) for the worker of this process; returns the id its update names."""
+    with _handoff_lock:
+        token = next(_handoff_ids)
+        _handoffs[token] = (version, payload, config)
+    return token
+
+
+def take_handoff(token: int | None, version: int) -> tuple[object, object]:
+    """The worker's side: the payload and config left under `token`, which must be of `version`."""
+    with _handoff_lock:
+        entry = _handoffs.pop(token, None) if token is not None else None
+    if entry is None:
+        raise ValueError(f"no tensors were handed over as {token!r}: the 'local' channel needs the trainer's process")
+    if entry[0] != version:
+        raise ValueError(f"the tensors handed over are version {entry[0]}, the update announced {version}")
+    return entry[1], entry[2]
+
+
+class VllmWeightTransfer:
+    """The trainer's side of lorarl's transfer into the `workers` workers of a vLLM engine (every tensor-parallel
+    rank), driven through `client`. `staging`: where each worker keeps a version until it is complete ("cpu", or
+    "device" to spare host memory); `verify`: buckets carry checksums, which the workers check before applying."""
 
     def __init__(
         self,
-        llm: object,
+        client: object,
         *,
+        channel: str = "gloo",
+        workers: int = 1,
         host: str = "127.0.0.1",
         port: int | None = None,
-        backend: str = "nccl",
         timeout: float = 300.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str | None = None,
+        staging: str = "cpu",
+        verify: bool = True,
     ):
-        self.llm = llm
-        self.workers = len(llm.collective_rpc("lorarl_sync_rank", args=(1,)))
-        port = port or free_port(host)
-        args = (host, port, self.workers + 1, 1, backend, timeout)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorarl-vllm-rpc")
-        joining = self._pool.submit(llm.collective_rpc, "lorarl_join_sync_group", args=args)
-        group = create_sync_group(host, port, self.workers + 1, 0, backend=backend, timeout=timeout)
-        joining.result(timeout=timeout)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.sender = BucketSender(group, src=0, bucket_bytes=bucket_bytes, device=device, timeout=timeout)
+        if channel not in CHANNELS:
+            raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if channel == "local" and workers != 1:
+            raise ValueError(f"the 'local' channel reaches one worker (this process's), not {workers}")
+        self.client, self.channel, self.timeout, self.bucket_bytes = client, channel, timeout, bucket_bytes
+        self.sender: BucketSender | None = None
+        self.mailbox: BucketMailbox | None = None
+        self.device = torch.device(device) if device is not None else _default_device(channel)
+        self._rpc = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorarl-vllm-rpc")
+        port = port or (free_port(host) if channel != "local" else 0)
+        info = {"channel": channel, "host": host, "port": port, "world_size": workers + 1, "rank_offset": 1,
+                "timeout": timeout, "staging": staging}  # fmt: skip
+        if channel == "ipc":  # the producer hosts the mailbox's store before the workers connect to it
+            self.mailbox = BucketMailbox(host, port, rank=0, consumers=workers, timeout=timeout)
+            client.init_weight_transfer_engine(info)
+        elif channel == "local":
+            client.init_weight_transfer_engine(info)
+        else:  # the workers join the group while this side does
+            joining = self._rpc.submit(client.init_weight_transfer_engine, info)
+            group = create_sync_group(host, port, workers + 1, 0, backend=channel, timeout=timeout)
+            joining.result(timeout=timeout)
+            self.sender = BucketSender(group, bucket_bytes=bucket_bytes, device=self.device, timeout=timeout,
+                                       verify=verify)  # fmt: skip
 
     def send(
         self,
@@ -130,30 +154,104 @@ class VllmWeightSync:
         version: int,
         manifest: Sequence[TensorSpec | tuple] | None = None,
     ) -> SyncStats:
-        """Send a version of the full weights; returns once every worker loaded it (or raises)."""
-        receiving = self._pool.submit(self.llm.collective_rpc, "lorarl_receive_weights")
-        stats = self._send(receiving, lambda: self.sender.send(named_tensors, version=version, manifest=manifest))
-        _check_versions(receiving.result(), version)
-        return stats
+        """Send a version of the full weights; returns once every worker applied it. Raises if any did not — then
+        the previous version keeps serving, unless the error says `INCOMPLETE` (it failed while being applied)."""
+        started = time.perf_counter()
+        update = {"version": version, "kind": "weights"}
+        if self.channel == "local":
+            counted = _Checked(pairs_of(named_tensors), manifest)
+            update["handoff"] = hand_off(version, counted)
+            self._update(update, version, None)
+            return SyncStats(version, counted.tensors, counted.nbytes, 0, time.perf_counter() - started)
+        if self.channel == "ipc":
+
+            def post() -> SyncStats:
+                buckets = share_buckets(named_tensors, version=version, device=self.device,
+                                        bucket_bytes=self.bucket_bytes, manifest=manifest)  # fmt: skip
+                tensors, nbytes, count = self.mailbox.post(buckets)
+                return SyncStats(version, tensors, nbytes, count, time.perf_counter() - started)
+
+            return self._update(update, version, post)
+        return self._update(update, version, lambda: self.sender.send(named_tensors, version=version,
+                                                                       manifest=manifest))  # fmt: skip
 
     def send_adapter(
         self, tensors: Mapping[str, torch.Tensor], config: dict, *, version: int, directory: str
     ) -> tuple[SyncStats, str]:
-        """Send a LoRA adapter; returns the stats and the adapter directory for a `vllm.lora.request.LoRARequest`."""
-        receiving = self._pool.submit(self.llm.collective_rpc, "lorarl_receive_adapter", args=(directory,))
-        stats = self._send(receiving, lambda: self.sender.send_adapter(tensors, config, version=version))
-        results = receiving.result()
-        _check_versions([v for v, _ in results], version)
-        return stats, results[0][1]
+        """Send a LoRA adapter; the engine's first worker writes it under `directory`. Returns the stats and the
+        adapter's directory, for a `vllm.lora.request.LoRARequest` (give each version a request id of its own)."""
+        started = time.perf_counter()
+        update = {"version": version, "kind": "adapter", "adapter_dir": str(directory)}
+        if self.channel == "local":
+            update["handoff"] = hand_off(version, dict(tensors), config)
+            self._update(update, version, None)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            stats = SyncStats(version, len(tensors), nbytes, 0, time.perf_counter() - started)
+        elif self.channel == "ipc":
+            raise ValueError("adapters go over a wire or the 'local' channel, not 'ipc'")
+        else:
+            stats = self._update(update, version, lambda: self.sender.send_adapter(tensors, config, version=version))
+        return stats, str(adapter_path(directory, version))
 
-    def _send(self, receiving: concurrent.futures.Future, send) -> SyncStats:
+    def _update(self, update: dict, version: int, send) -> SyncStats | None:
+        return update_round(self.client, update, version, send, pool=self._rpc, timeout=self.timeout)
+
+    def close(self) -> None:
+        self._rpc.shutdown(wait=False)
+
+
+def update_round(
+    client: object,
+    update: dict,
+    version: int,
+    send: Callable[[], SyncStats] | None = None,
+    *,
+    pool: concurrent.futures.Executor | None = None,
+    timeout: float = 300.0,
+) -> SyncStats | None:
+    """One round of vLLM's weight-update API: `start_weight_update`, `update_weights(update)` — in a thread of `pool`
+    while this thread runs `send` (the trainer's side of the transfer), if given —, then `finish_weight_update`,
+    which makes `version` the engine's weight version. Returns what `send` returned. A failure of either side raises
+    (the workers' own error first): the round is not finished, and the engine's version stays what it was."""
+    client.start_weight_update()
+    if send is None:  # the sender is elsewhere, or the "local" worker takes the tensors in this very call
+        client.update_weights(update)
+        stats = None
+    else:
+        receiving = pool.submit(client.update_weights, update)
+        if receiving.done():  # refused at once (a bad update): no one would receive what is sent
+            receiving.result()
         try:
-            return send()
-        except TransferError:
-            receiving.exception(timeout=self.sender.channel.timeout)  # let the workers' side finish, then report
+            stats = send()
+        except BaseException as error:
+            failure = receiving.exception(timeout=timeout)  # the workers stop too (the transfer failed)
+            if failure is not None:
+                raise failure from error
             raise
+        receiving.result(timeout=timeout)
+    client.finish_weight_update(str(version))
+    return stats
 
 
-def _check_versions(versions: list[int], version: int) -> None:
-    if any(v != version for v in versions):
-        raise TransferError(f"vLLM workers report versions {versions} after sending version {version}")
+class _Checked:
+    """Named tensors handed over in-process: checked against the manifest (when given), as `BucketSender.send`
+    checks them, and counted as they are taken."""
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]], manifest: Sequence[TensorSpec | tuple] | None):
+        self.pairs, self.tensors, self.nbytes = pairs, 0, 0
+        self.specs = [TensorSpec.coerce(spec) for spec in manifest] if manifest is not None else None
+
+    def __iter__(self):
+        for name, tensor in self.pairs:
+            check_pair(self.specs, self.tensors, name, tensor)
+            self.tensors += 1
+            self.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+        if self.specs is not None and self.tensors != len(self.specs):
+            raise ValueError(f"the input yielded {self.tensors} tensors but the manifest lists {len(self.specs)}")
+
+
+def _default_device(channel: str) -> torch.device:
+    if channel in ("nccl", "ipc"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -2,7 +2,7 @@
 
 A *worker* is an engine implementation, registered by name — the choices of `rollout.engine`:
 - `hf` (`hf.py`): a Hugging Face model with lorarl's decode loop, CPU or GPU;
-- `vllm` (`vllm_worker.py`): vLLM, GPU only (inline: `vllm_colocated.py`, on the trainer's GPUs).
+- `vllm` (`vllm_worker.py`): vLLM, on GPUs or (its CPU build) the CPU; inline in `vllm_inline.py`.
 
 A *placement* runs a worker: `inline.py` (in the trainer's process, `rollout.worker=inline`), `process.py` (a process
 of its own, `rollout.worker=process`, or a vLLM engine on `rollout.devices`), `ray_actors.py` (Ray actors,

@@ -102,6 +102,8 @@ class EngineContext:
     seed: int
     adapter_rank: int | None  # serve a LoRA adapter of this rank unmerged (rollout.sync=adapter), else None
     overlap: bool  # rollout.overlap: the engine generates beside the training
+    sequences: int = 1  # sequences a step's rollouts generate at once (prompts × responses)
+    sequence_tokens: int = 2048  # the longest of them: prompt and response, in tokens
 
 
 class Worker:
@@ -131,6 +133,9 @@ class Worker:
 
     def checksum(self) -> str:
         raise EngineError(f"{type(self).__name__} has no weights checksum comparable to the trainer's")
+
+    def close(self) -> None:
+        """Release what the worker holds beyond its memory (an engine's processes, files); nothing by default."""
 
 
 def agreed(values: list, what: str):

@@ -14,7 +14,7 @@ import torch
 
 from lorarl.trainer import cpu_attention
 from lorarl.trainer.decode import decode
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, Worker
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, Worker
 from lorarl.weight_sync import BucketReceiver, SyncStats, TensorSpec, copy_into, create_sync_group, save_adapter
 
 
@@ -96,16 +96,24 @@ class HFWorker(Worker):
         self.receiver = BucketReceiver(group, timeout=timeout)
         return self.version
 
-    def receive(self) -> int:
+    def receive(self, version: int) -> int:
         self.drop_adapter()
-        self.version = self.receiver.load_into(self.model)
+        self.version = expected(self.receiver.load_into(self.model), version)
         return self.version
 
-    def receive_adapter(self) -> int:
-        return self.serve_adapter(*self.receiver.receive_adapter())
+    def receive_adapter(self, version: int) -> int:
+        tensors, config, received = self.receiver.receive_adapter()
+        return self.serve_adapter(tensors, config, expected(received, version))
 
     def checksum(self) -> str:
         return checksum(self.model.state_dict().items())
+
+
+def expected(received: int, version: int) -> int:
+    """`received`, which must be the version the trainer announced."""
+    if received != version:
+        raise EngineError(f"the trainer announced version {version} but sent version {received}")
+    return received
 
 
 def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -39,4 +39,4 @@ class InlineEngine(GeneratesWhenAsked):
         return self.worker.checksum()
 
     def close(self) -> None:
-        """Nothing to stop: the model goes with the engine."""
+        self.worker.close()

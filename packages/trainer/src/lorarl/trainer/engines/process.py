@@ -2,21 +2,49 @@
 model, fed weights over a sync group (gloo from the CPU, NCCL from the GPU) and driven over a pipe. It generates
 beside the trainer (`submit` returns at once), which `rollout.overlap` uses."""
 
+import contextlib
 import multiprocessing as mp
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 import torch
 
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground
-from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, create_sync_group, free_port
+from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, TransferError, create_sync_group, free_port
+
+
+def join_sync_group(host: str, port: int, world: int, settings, failed: Callable[[], str | None]):
+    """The trainer's end (rank 0) of the sync group its engine joins as it starts. `failed()` says why the engine
+    side cannot join (or None): checked while waiting, so a worker that fails to start raises at once instead of
+    leaving this side waiting out the group's timeout (the abandoned rendezvous ends at it, in a daemon thread)."""
+    outcome: list = []
+
+    def join() -> None:
+        try:
+            outcome.append(create_sync_group(host, port, world, 0, backend=settings.sync_backend,
+                                             timeout=settings.timeout))  # fmt: skip
+        except Exception as error:
+            outcome.append(error)
+
+    joining = threading.Thread(target=join, daemon=True, name="lorarl-sync-join")
+    joining.start()
+    while joining.is_alive():
+        joining.join(timeout=0.5)
+        reason = None if outcome else failed()
+        if reason:
+            raise EngineError(f"the rollout engine could not start:\n{reason}")
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def sync_sender(group, settings, bucket_bytes: int) -> BucketSender:
-    """The trainer's end of a sync group: NCCL sends from the GPU, gloo from the CPU."""
+    """The trainer's end of a sync group: NCCL sends from the GPU, gloo from the CPU; every bucket checksummed."""
     nccl = settings.sync_backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    return BucketSender(group, bucket_bytes=bucket_bytes, device=device, timeout=settings.timeout)
+    return BucketSender(group, bucket_bytes=bucket_bytes, device=device, timeout=settings.timeout, verify=True)
 
 
 class ProcessEngine(SubmitsInBackground):
@@ -27,9 +55,9 @@ class ProcessEngine(SubmitsInBackground):
         name = f"lorarl-{worker_class.__name__}"
         self.process = ctx.Process(target=_serve, args=(child, worker_class, settings, port), daemon=True, name=name)
         self.process.start()
-        self.timeout = timeout = settings.timeout
-        world = 1 + settings.sync_ranks
-        group = create_sync_group("127.0.0.1", port, world, 0, backend=settings.sync_backend, timeout=timeout)
+        self.timeout = settings.timeout
+        self._early: tuple | None = None  # the worker's first answer, if it came while this side joined
+        group = join_sync_group("127.0.0.1", port, 1 + settings.sync_ranks, settings, self._failed_to_start)
         self.sender = sync_sender(group, settings, bucket_bytes)
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = self._reply("start")
@@ -43,15 +71,22 @@ class ProcessEngine(SubmitsInBackground):
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
     ) -> SyncStats:
-        return self._sync("receive", lambda: self.sender.send(named_tensors, version=version, manifest=manifest))
+        return self._sync("receive", version, partial(self.sender.send, named_tensors, version=version,
+                                                      manifest=manifest))  # fmt: skip
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        return self._sync("receive_adapter", lambda: self.sender.send_adapter(tensors, config, version=version))
+        return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
+                                                              version=version))  # fmt: skip
 
-    def _sync(self, command: str, send) -> SyncStats:
-        """The worker starts `command` (its end of the transfer), this side sends; then the worker's version."""
-        self._conn.send((command, ()))
-        stats = send()
+    def _sync(self, command: str, version: int, send) -> SyncStats:
+        """The worker starts `command` (its end of the transfer of `version`), this side sends; then the worker's
+        version. If sending fails, the worker's own error (it failed first, or with it) is the one raised."""
+        self._conn.send((command, (version,)))
+        try:
+            stats = send()
+        except TransferError as error:
+            self._reply(command)  # raises the worker's error, if it has one
+            raise error
         self.version = self._reply(command)
         return stats
 
@@ -70,7 +105,22 @@ class ProcessEngine(SubmitsInBackground):
             self.process.kill()
             self.process.join()
 
+    def _failed_to_start(self) -> str | None:
+        if self._early is None and self._conn.poll():
+            with contextlib.suppress(EOFError):
+                self._early = self._conn.recv()
+        if self._early is not None and self._early[0] == "error":
+            return self._early[1]
+        if not self.process.is_alive():
+            return f"its process died (exit code {self.process.exitcode})"
+        return None
+
     def _reply(self, what: str):
+        if self._early is not None:
+            (status, value), self._early = self._early, None
+            if status == "error":
+                raise EngineError(f"the rollout engine failed during {what!r}:\n{value}")
+            return value
         if not self._conn.poll(self.timeout):
             raise EngineError(f"the rollout engine did not answer {what!r} within {self.timeout:g} s")
         try:
@@ -95,6 +145,7 @@ def _serve(conn, worker_class: type, settings, port: int) -> None:
     while True:
         command, args = conn.recv()
         if command == "close":
+            worker.close()
             return
         try:
             if command not in commands:

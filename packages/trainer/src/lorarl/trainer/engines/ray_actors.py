@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground, agreed
-from lorarl.trainer.engines.process import sync_sender
-from lorarl.weight_sync import SyncStats, TensorSpec, create_sync_group, free_port
+from lorarl.trainer.engines.process import join_sync_group, sync_sender
+from lorarl.weight_sync import SyncStats, TensorSpec, free_port
 
 # Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
 # workers run this interpreter instead. Read when Ray is imported (lazily, below); =1 brings the hook back.
@@ -22,7 +22,10 @@ def connect(address: str | None, *, cpus: int) -> bool:
     """Join the Ray cluster at `address`, or start a local Ray with at least `cpus` logical CPUs (so that every
     actor gets its bundle even on a small machine). Returns whether this call started Ray (then it shuts it down)."""
     import ray
+    from ray._private import ray_constants
 
+    # Ray reads this once, when first imported — possibly before this module set it (vLLM imports Ray): again, then
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = ray_constants.env_bool("RAY_ENABLE_UV_RUN_RUNTIME_ENV", True)
     if ray.is_initialized():  # e.g. inside a trainer rank that is itself a Ray actor
         return False
     ray.init(address=address, num_cpus=None if address else max(os.cpu_count() or 1, cpus), include_dashboard=False)
@@ -52,7 +55,11 @@ class RayEngines(SubmitsInBackground):
         world = 1 + replicas * ranks
         host, port = ray.util.get_node_ip_address(), free_port()
         joined = [actor.join.remote(host, port, world, 1 + i * ranks) for i, actor in enumerate(self.actors)]
-        group = create_sync_group(host, port, world, 0, backend=settings.sync_backend, timeout=self.timeout)
+        try:
+            group = join_sync_group(host, port, world, settings, lambda: self._failed(joined))
+        except BaseException:
+            self.close()  # the actors, their placement and a Ray started here go too
+            raise
         self.sender = sync_sender(group, settings, bucket_bytes)
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = agreed(self._get(joined, "start"), "weights version")
@@ -78,16 +85,28 @@ class RayEngines(SubmitsInBackground):
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
     ) -> SyncStats:
-        received = [actor.receive.remote() for actor in self.actors]
+        received = [actor.receive.remote(version) for actor in self.actors]
         stats = self.sender.send(named_tensors, version=version, manifest=manifest)
         self.version = agreed(self._get(received, "receive"), "version after receive")
         return stats
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        received = [actor.receive_adapter.remote() for actor in self.actors]
+        received = [actor.receive_adapter.remote(version) for actor in self.actors]
         stats = self.sender.send_adapter(tensors, config, version=version)
         self.version = agreed(self._get(received, "receive_adapter"), "version after receive_adapter")
         return stats
+
+    def _failed(self, joined: list) -> str | None:
+        """Why a replica could not join the sync group (it failed to start), or None."""
+        import ray
+
+        ready, _ = ray.wait(joined, num_returns=len(joined), timeout=0)
+        for future in ready:
+            try:
+                ray.get(future)
+            except ray.exceptions.RayError as e:
+                return str(e)
+        return None
 
     def checksum(self) -> str:
         return agreed(self._get([actor.checksum.remote() for actor in self.actors], "checksum"), "weights")

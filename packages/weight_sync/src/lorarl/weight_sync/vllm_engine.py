@@ -1,0 +1,211 @@
+"""lorarl's weight transfer as a vLLM weight-transfer engine (worker side; imports vLLM).
+
+Registered with vLLM's `WeightTransferEngineFactory` as "lorarl" by `lorarl.weight_sync.vllm.register` (a vLLM general
+plugin, so every vLLM process has it) and selected with `weight_transfer_config={"backend": "lorarl"}`. vLLM's RL API
+drives it: `init_weight_transfer_engine` joins the trainer's channel, `update_weights` receives one version,
+`start_weight_update` / `finish_weight_update` frame it.
+
+**A version is applied whole or not at all.** `update_weights` first receives the complete version — every bucket's
+checksum verified, the version number the one announced, every tensor of the manifest present — into a staging copy
+(host memory by default), and only then loads it through vLLM's layerwise reload (fused QKV/gate-up, repacked or
+quantized layouts are vLLM's own loaders' business). So a transfer that fails (the sender dies or stalls, a bucket is
+corrupt or missing) leaves the model untouched: the previous version keeps serving. Staging costs one copy of the
+weights for the length of an update. A failure while applying a complete version — a name or shape this model does not
+have, which is a configuration error, not a transient one — leaves the engine *incomplete*: `refusal()` says why, and
+lorarl's drivers refuse to generate until a later version is applied whole.
+
+Tied embeddings: the layerwise reload processes a tied parameter once, for its first module; on CPU the LM head keeps
+its own prepacked copy of the embedding, so every module sharing a parameter with an earlier one is processed again
+after an update (without it a CPU engine samples from stale logits).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from lorarl.weight_sync.adapter_dir import save_adapter
+from lorarl.weight_sync.gc_pause import gc_paused
+from lorarl.weight_sync.group import create_sync_group
+from lorarl.weight_sync.protocol import TransferError
+from lorarl.weight_sync.receiver import BucketReceiver
+from lorarl.weight_sync.shared import BucketMailbox
+from lorarl.weight_sync.vllm import CHANNELS, INCOMPLETE, adapter_path, take_handoff
+
+WIRE_CHANNELS = ("gloo", "nccl")
+
+
+@dataclass
+class LorarlInitInfo(WeightTransferInitInfo):
+    """How the workers reach the trainer: `channel` "gloo" (CPU tensors) or "nccl" (GPU) — a sync group whose rank 0
+    is the trainer and whose ranks `rank_offset`.. are the workers —, "ipc" (a `BucketMailbox` of CUDA IPC handles on
+    the same GPUs), or "local" (the trainer's own process: tensors handed over, no wire)."""
+
+    channel: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    world_size: int = 2
+    rank_offset: int = 1
+    timeout: float = 300.0
+    staging: str = "cpu"  # where a version waits until it is complete: "cpu" (host memory) or "device"
+
+    def __post_init__(self):
+        if self.channel not in CHANNELS:
+            raise ValueError(f"channel must be one of {CHANNELS}, got {self.channel!r}")
+        if self.staging not in ("cpu", "device"):
+            raise ValueError(f"staging must be 'cpu' or 'device', got {self.staging!r}")
+
+
+@dataclass
+class LorarlUpdateInfo(WeightTransferUpdateInfo):
+    """One version: `kind` "weights" (full weights, applied to the model) or "adapter" (a LoRA adapter, written as a
+    peft directory under `adapter_dir` for a `LoRARequest`); `handoff` names the tensors of a "local" channel."""
+
+    version: int
+    kind: str = "weights"
+    adapter_dir: str | None = None
+    handoff: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("weights", "adapter"):
+            raise ValueError(f"kind must be 'weights' or 'adapter', got {self.kind!r}")
+        if self.kind == "adapter" and not self.adapter_dir:
+            raise ValueError("an adapter update needs adapter_dir (where the workers write it)")
+
+
+class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpdateInfo]):
+    init_info_cls = LorarlInitInfo
+    update_info_cls = LorarlUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.info: LorarlInitInfo | None = None
+        self.receiver: BucketReceiver | None = None
+        self.mailbox: BucketMailbox | None = None
+        self.version: int | None = None  # the last version applied whole (None: the weights loaded from disk)
+        self.incomplete: str | None = None  # why the model holds a partly applied version, if it does
+
+    # --- vLLM's RL API ---------------------------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: LorarlInitInfo) -> None:
+        self.shutdown()
+        self.info = init_info
+        rank = init_info.rank_offset + worker_rank()
+        if init_info.channel in WIRE_CHANNELS:
+            group = create_sync_group(init_info.host, init_info.port, init_info.world_size, rank,
+                                      backend=init_info.channel, timeout=init_info.timeout)  # fmt: skip
+            device = self.device if init_info.channel == "nccl" else torch.device("cpu")
+            self.receiver = BucketReceiver(group, device=device, timeout=init_info.timeout)
+        elif init_info.channel == "ipc":
+            self.mailbox = BucketMailbox(init_info.host, init_info.port, rank=rank,
+                                         consumers=init_info.world_size - 1, timeout=init_info.timeout)  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: `update_weights` receives a whole version before it touches the model."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish: `update_weights` applied the version whole (or raised, changing nothing)."""
+
+    def update_weights(self, update_info: dict) -> None:
+        """Receive one version and apply it (vLLM's default also synchronizes an accelerator, which a CPU lacks)."""
+        info = self.parse_update_info(update_info)
+        self.receive_weights(info)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: LorarlUpdateInfo) -> None:
+        if self.info is None:
+            raise RuntimeError("the lorarl weight transfer is not initialized: call init_weight_transfer_engine first")
+        if update_info.kind == "adapter":
+            self._receive_adapter(update_info)
+            return
+        staged = self._stage(update_info)
+        self._apply(staged, update_info.version)
+
+    def shutdown(self) -> None:
+        """Leave the trainer's channel (its group goes with the receiver)."""
+        self.receiver = self.mailbox = self.info = None
+
+    # --- lorarl's side ----------------------------------------------------------------------------------------------
+
+    def refusal(self) -> str | None:
+        """Why this engine must not generate (a version applied only in part), or None."""
+        return self.incomplete
+
+    @gc_paused()
+    def _stage(self, update_info: LorarlUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+        """The whole version, received and verified, in tensors of its own; raises (changing nothing) if any of it
+        is missing, corrupt or of another version."""
+        staging = torch.device("cpu") if self.info.staging == "cpu" else self.device
+        version = update_info.version
+        if self.info.channel == "local":
+            named, _ = take_handoff(update_info.handoff, version)
+            return [(name, _staged(tensor, staging)) for name, tensor in named]
+        if self.info.channel == "ipc":
+            staged = [(name, _staged(tensor, staging)) for name, tensor in self.mailbox.receive(self.device)]
+            received = self.mailbox.version
+        else:
+            staged = [(name, _staged(tensor, staging)) for name, tensor in self.receiver.receive(keep=True)]
+            received = self.receiver.version
+        if received != version:
+            raise TransferError(f"the trainer announced version {version} but sent version {received}")
+        return staged
+
+    def _apply(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load a complete version through vLLM's layerwise reload (each layer processed as its weights complete)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(iter(staged))
+        except Exception as error:
+            self.incomplete = f"{INCOMPLETE}: version {version} failed while it was applied ({type(error).__name__}"
+            raise RuntimeError(f"{self.incomplete}: {error})") from error
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
+            reprocess_tied_modules(self.model)
+        self.version, self.incomplete = version, None
+
+    def _receive_adapter(self, update_info: LorarlUpdateInfo) -> None:
+        """A LoRA adapter, written as a peft directory by the engine's first worker (every worker takes part in the
+        transfer). The base weights are untouched."""
+        version = update_info.version
+        if self.info.channel == "local":
+            tensors, config = take_handoff(update_info.handoff, version)
+            tensors = dict(tensors)
+        elif self.info.channel in WIRE_CHANNELS:
+            tensors, config, received = self.receiver.receive_adapter()
+            if received != version:
+                raise TransferError(f"the trainer announced adapter version {version} but sent version {received}")
+        else:
+            raise ValueError(f"adapters are not sent over the {self.info.channel!r} channel: use 'local' or a wire")
+        if worker_rank() == 0:
+            save_adapter(tensors, config, adapter_path(update_info.adapter_dir, version))
+
+
+def worker_rank() -> int:
+    """This worker's rank among its engine's workers."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group().rank
+
+
+def reprocess_tied_modules(model: torch.nn.Module) -> None:
+    """Process again every module that shares a parameter with an earlier module (a tied LM head): the layerwise
+    reload processed the shared tensor for the first one only."""
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [id(p) for p in module.parameters(recurse=False)]
+        quant_method = getattr(module, "quant_method", None)
+        if any(p in seen for p in own) and hasattr(quant_method, "process_weights_after_loading"):
+            quant_method.process_weights_after_loading(module)
+        seen.update(own)
+
+
+def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device)  # a copy only when it arrived elsewhere (received tensors are already their own)

