@@ -45,11 +45,6 @@ def start_engine(model_dir: Path, *, adapter_rank: int | None = None):
     return start_llm(settings)
 
 
-def engine_model(llm) -> torch.nn.Module:
-    """The model of an engine whose one worker is in this process."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
 def hf_model(model_dir: Path, state: dict[str, torch.Tensor] | None = None):
     """transformers' model of `model_dir`, with `state` loaded over its weights."""
     from transformers import AutoModelForCausalLM

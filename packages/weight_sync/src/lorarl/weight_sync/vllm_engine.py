@@ -14,9 +14,8 @@ weights for the length of an update. A failure while applying a complete version
 have, which is a configuration error, not a transient one — leaves the engine *incomplete*: `refusal()` says why, and
 lorarl's drivers refuse to generate until a later version is applied whole.
 
-Tied embeddings: the layerwise reload processes a tied parameter once, for its first module; on CPU the LM head keeps
-its own prepacked copy of the embedding, so every module sharing a parameter with an earlier one is processed again
-after an update (without it a CPU engine samples from stale logits).
+Tied embeddings need nothing more: vLLM's layerwise reload processes the tied LM head too (on vLLM's CPU backend the
+head keeps a prepacked GEMM of its own), which the tests check by generating after versions that change the embedding.
 """
 
 from dataclasses import dataclass
@@ -168,7 +167,6 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
             raise RuntimeError(f"{self.incomplete}: {error})") from error
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
-            reprocess_tied_modules(self.model)
         self.version, self.incomplete = version, None
 
     def _receive_adapter(self, update_info: LorarlUpdateInfo) -> None:
@@ -193,18 +191,6 @@ def worker_rank() -> int:
     from vllm.distributed.parallel_state import get_world_group
 
     return get_world_group().rank
-
-
-def reprocess_tied_modules(model: torch.nn.Module) -> None:
-    """Process again every module that shares a parameter with an earlier module (a tied LM head): the layerwise
-    reload processed the shared tensor for the first one only."""
-    seen: set[int] = set()
-    for module in model.modules():
-        own = [id(p) for p in module.parameters(recurse=False)]
-        quant_method = getattr(module, "quant_method", None)
-        if any(p in seen for p in own) and hasattr(quant_method, "process_weights_after_loading"):
-            quant_method.process_weights_after_loading(module)
-        seen.update(own)
 
 
 def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
