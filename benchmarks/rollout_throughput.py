@@ -3,7 +3,9 @@
 Each case starts each engine in a process of its own — interleaved hf, vllm, hf, vllm — as the trainer starts it
 inline (`rollout.worker=inline`: vLLM's `InlineVllmEngine`, the HF engine's decode loop), on the same model, the same
 prompts of the embedded task, the case's prompts per step × 8 responses × its max new tokens, sampled at temperature
-1 in the engine dtype given (float32 by default: what a CPU without AVX512-BF16 computes fast). After one warm-up
+1 in the engine dtype given (float32 by default: what a CPU without AVX512-BF16 computes fast), vLLM with the KV cache
+the trainer would give it (`rollout.kv_cache_gb` unset: the case's sequences at the trainer's default
+`data.max_prompt_tokens`, 512, plus its max new tokens). After one warm-up
 batch it times `--batches` batches. Per case it prints one JSON object: `hf_s_per_batch`, `vllm_s_per_batch` (medians
 over the runs), `speedup` (HF's time / vLLM's: > 1 is vLLM faster), the tokens generated per second on each side, and
 `*_peak_rss_gb` (the engine's whole process tree, sampled every 20 ms).
@@ -29,7 +31,7 @@ from step_vs_trl import CASES, GB, GENERATIONS, make_model, tree_rss
 ENGINES = ("hf", "vllm")
 
 
-def run_engine(engine: str, case_name: str, model: Path, batches: int, dtype: str, kv_cache_gb: float) -> dict:
+def run_engine(engine: str, case_name: str, model: Path, batches: int, dtype: str) -> dict:
     """In this process: start the engine, one warm-up batch, then `batches` timed ones."""
     import torch
 
@@ -49,9 +51,11 @@ def run_engine(engine: str, case_name: str, model: Path, batches: int, dtype: st
         runner = InlineEngine(HFWorker(settings))
     else:
         from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
-        from lorarl.trainer.engines.vllm_worker import VllmSettings
+        from lorarl.trainer.engines.vllm_worker import VllmSettings, kv_cache_for
 
-        settings = VllmSettings(str(model), getattr(torch, dtype), 1, 0.5, None, seed=0, adapter_rank=None,
+        max_model_len, kv_cache_gb = kv_cache_for(str(model), getattr(torch, dtype), case.prompts * GENERATIONS,
+                                                  512 + case.max_tokens)  # fmt: skip
+        settings = VllmSettings(str(model), getattr(torch, dtype), 1, 0.5, max_model_len, seed=0, adapter_rank=None,
                                 devices=None, device="cpu", kv_cache_gb=kv_cache_gb)  # fmt: skip
         runner = InlineVllmEngine.start(settings)
     seconds, tokens = [], []
@@ -67,12 +71,11 @@ def run_engine(engine: str, case_name: str, model: Path, batches: int, dtype: st
     return {"seconds": seconds, "tokens": tokens}
 
 
-def run_side(engine: str, case_name: str, model: Path, batches: int, dtype: str, kv_cache_gb: float) -> dict:
+def run_side(engine: str, case_name: str, model: Path, batches: int, dtype: str) -> dict:
     """One engine's run in a fresh process, with its process tree's peak resident memory."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         command = [sys.executable, __file__, "--worker", engine, "--case", case_name, "--model", str(model),
-                   "--batches", str(batches), "--dtype", dtype, "--kv-cache-gb", str(kv_cache_gb),
-                   "--result", result.name]  # fmt: skip
+                   "--batches", str(batches), "--dtype", dtype, "--result", result.name]  # fmt: skip
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         stderr: list[str] = []
         reader = threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True)
@@ -88,12 +91,12 @@ def run_side(engine: str, case_name: str, model: Path, batches: int, dtype: str,
     return outcome | {"peak_rss": peak}
 
 
-def measure(case_name: str, workdir: Path, *, batches: int, repeats: int, dtype: str, kv_cache_gb: float) -> dict:
+def measure(case_name: str, workdir: Path, *, batches: int, repeats: int, dtype: str) -> dict:
     model = make_model(CASES[case_name], workdir)
     runs: dict[str, list[dict]] = {engine: [] for engine in ENGINES}
     for _ in range(repeats):
         for engine in ENGINES:  # interleaved
-            runs[engine].append(run_side(engine, case_name, model, batches, dtype, kv_cache_gb))
+            runs[engine].append(run_side(engine, case_name, model, batches, dtype))
     case = CASES[case_name]
     out = {"case": case_name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
            "dtype": dtype, "timed_batches": batches}  # fmt: skip
@@ -114,7 +117,6 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     parser.add_argument("--repeats", type=int, default=2, help="runs of each engine per case, interleaved")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines' dtype")
-    parser.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM's KV cache on the CPU (GiB)")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -123,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
-        result = run_engine(args.worker, args.case, Path(args.model), args.batches, args.dtype, args.kv_cache_gb)
+        result = run_engine(args.worker, args.case, Path(args.model), args.batches, args.dtype)
         Path(args.result).write_text(json.dumps(result))
         return
     names = args.cases.split(",")
@@ -132,8 +134,9 @@ def main() -> None:
         parser.error(f"--cases: unknown {unknown}; expected names from {list(CASES)}")
     with tempfile.TemporaryDirectory(prefix="rollout_throughput-") as workdir:
         for name in names:
-            result = measure(name, Path(workdir), batches=3 if args.quick else 8, repeats=args.repeats,
-                             dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)  # fmt: skip
+            result = measure(
+                name, Path(workdir), batches=3 if args.quick else 8, repeats=args.repeats, dtype=args.dtype
+            )
             print(json.dumps(result), flush=True)
 
 

@@ -19,7 +19,9 @@ model, tokenizer, prompts, reward and settings:
 - `--rollout-engine vllm`: vLLM generates on both sides — lorarl's `rollout.engine=vllm` (inline: in its process),
   TRL's `use_vllm=True, vllm_mode="colocate"` (in its process too) — with the same engine settings on both: the dtype
   (`--rollout-dtype`, `auto` resolved as lorarl resolves it), eager mode and the KV cache size on a CPU (vLLM's CPU
-  build; TRL's `LLM` call is given them, as it has no keys of its own for them). Run it in the vLLM CPU environment:
+  build; TRL's `LLM` call is given them, as it has no keys of its own for them). On a CPU TRL's colocated weight sync
+  runs inside vLLM's layerwise reload, without which it fails there (`within_layerwise_reload`). Run it in the vLLM
+  CPU environment:
   `scripts/vllm_cpu_env.sh --bench`, then `.venv-vllm-cpu/bin/python benchmarks/step_vs_trl.py --rollout-engine vllm`.
 
 Per case it prints `case, lorarl_s_per_step, trl_s_per_step, speedup` (TRL's time / lorarl's: > 1 is lorarl faster),
@@ -197,6 +199,7 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
         if settings.device == "cpu":
             engine.update(enforce_eager=True, kv_cache_memory_bytes=int(VLLM_KV_CACHE_GB * (1 << 30)))
         trl_vllm.LLM = partial(trl_vllm.LLM, **engine)
+        trl_vllm.VLLMGeneration.sync_weights = within_layerwise_reload(trl_vllm.VLLMGeneration.sync_weights)
     args = GRPOConfig(
         output_dir=str(output), max_steps=steps, per_device_train_batch_size=samples, gradient_accumulation_steps=1,
         num_generations=GENERATIONS, max_completion_length=case.max_tokens, temperature=1.0, top_p=1.0,
@@ -220,6 +223,25 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
         "rollout_dtype": str(engine_dtype(settings)).removeprefix("torch.") if vllm else settings.train_dtype,
         **cuda_peak(settings.device),
     }
+
+
+def within_layerwise_reload(sync_weights):
+    """TRL's colocated weight sync (`load_weights`, one parameter at a time), inside vLLM's layerwise reload: vLLM's
+    CPU backend repacks its linear weights after loading and drops the originals, so TRL's plain `load_weights`
+    fails there ("'Parameter' object has no attribute 'weight_loader'"); the reload restores the layers, loads, and
+    repacks each as its weights complete: the fix TRL needs for any engine that processes weights after loading."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    def wrapped(self) -> None:
+        engine = self.llm.llm_engine
+        model = engine.model_executor.driver_worker.model_runner.model
+        initialize_layerwise_reload(model)
+        try:
+            sync_weights(self)
+        finally:
+            finalize_layerwise_reload(model, engine.vllm_config.model_config)
+
+    return wrapped
 
 
 def cuda_peak(device: str) -> dict:

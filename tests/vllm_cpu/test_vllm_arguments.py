@@ -95,3 +95,21 @@ def test_completions_from_vllm_outputs_carry_the_version_vllm_recorded():
     missing = [types.SimpleNamespace(outputs=[CompletionOutput(0, "", [5], None, None, finish_reason="stop")])]
     with pytest.raises(ValueError, match="no per-token log-probs"):
         to_completions(missing, version=0)
+
+
+def test_on_the_cpu_the_kv_cache_holds_a_steps_rollouts_and_no_more():
+    from lorarl.trainer.engines.vllm_worker import VllmWorker, kv_cache_for
+
+    # the embedded default: 3 layers, 2 KV heads of 32, float32, contexts of at most 32 positions
+    tokens, gib = kv_cache_for(str(default_task.MODEL_DIR), torch.float32, sequences=256, tokens=520)
+    assert tokens == 32  # the model's own limit
+    per_token = 2 * 3 * 2 * 32 * 4  # keys and values, per layer, per KV head
+    assert gib * (1 << 30) == 1.25 * 256 * 32 * per_token + (64 << 20)
+    rollout = types.SimpleNamespace(tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=None,
+                                    devices=None, kv_cache_gb=None, enforce_eager=None)  # fmt: skip
+    context = types.SimpleNamespace(model_path=str(default_task.MODEL_DIR), dtype=torch.float32, seed=0,
+                                    adapter_rank=None, device="cpu", sequences=256, sequence_tokens=520)  # fmt: skip
+    settings = VllmWorker.settings(rollout, context)
+    assert (settings.max_model_len, settings.kv_cache_gb) == (32, gib)
+    chosen = VllmWorker.settings(types.SimpleNamespace(**vars(rollout) | {"kv_cache_gb": 3.0}), context)
+    assert (chosen.max_model_len, chosen.kv_cache_gb) == (None, 3.0)  # as the user set it
