@@ -83,8 +83,8 @@ class RolloutSection:
                                         "takes minutes; graphs on GPUs)")  # fmt: skip
     devices: str | None = option(None, "GPUs of a local vllm engine (CUDA_VISIBLE_DEVICES); None = the trainer's")
     worker: str = option("inline", "where the engine runs: in the trainer's process (weights copied in, no second "
-                         "copy of the libraries; vllm: on the trainer's device, fed without a wire) or a process of its "
-                         "own (fed over gloo/NCCL; needed by overlap; implied by rollout.devices)",
+                         "copy of the libraries; vllm: on the trainer's device, fed without a wire) or a process of "
+                         "its own (fed over gloo/NCCL; needed by overlap; implied by rollout.devices)",
                          ("inline", "process"))  # fmt: skip
     overlap: bool = option(False, "generate the next batch while training on this one: one step off-policy (its "
                            "rollouts come from the weights one update behind), corrected by "
