@@ -19,14 +19,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from step_vs_trl import CASES, GB, GENERATIONS, make_model, tree_rss
+from step_vs_trl import CASES, GB, GENERATIONS, case_names, make_model, run_measured
 
 ENGINES = ("hf", "vllm")
 
@@ -76,17 +74,7 @@ def run_side(engine: str, case_name: str, model: Path, batches: int, dtype: str)
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         command = [sys.executable, __file__, "--worker", engine, "--case", case_name, "--model", str(model),
                    "--batches", str(batches), "--dtype", dtype, "--result", result.name]  # fmt: skip
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        stderr: list[str] = []
-        reader = threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True)
-        reader.start()
-        peak = 0
-        while process.poll() is None:
-            peak = max(peak, tree_rss(process.pid))
-            time.sleep(0.02)
-        reader.join()
-        if process.returncode != 0:
-            raise RuntimeError(f"{engine} on {case_name} failed:\n{''.join(stderr[-40:])}")
+        peak = run_measured(command, f"{engine} on {case_name}")
         outcome = json.loads(Path(result.name).read_text())
     return outcome | {"peak_rss": peak}
 
@@ -128,10 +116,7 @@ def main() -> None:
         result = run_engine(args.worker, args.case, Path(args.model), args.batches, args.dtype)
         Path(args.result).write_text(json.dumps(result))
         return
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"--cases: unknown {unknown}; expected names from {list(CASES)}")
+    names = case_names(parser, args.cases)
     with tempfile.TemporaryDirectory(prefix="rollout_throughput-") as workdir:
         for name in names:
             result = measure(

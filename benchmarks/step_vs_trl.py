@@ -273,6 +273,23 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def run_measured(command: list[str], what: str) -> int:
+    """Run `command` to its end, sampling the resident memory of its process tree every 20 ms; returns the peak
+    (bytes). Raises with the end of its stderr if it fails."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True)
+    reader.start()
+    while process.poll() is None:
+        peak = max(peak, tree_rss(process.pid))
+        time.sleep(0.02)
+    reader.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{''.join(stderr[-40:])}")
+    return peak
+
+
 def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, settings: Settings) -> dict:
     """One run in a fresh process; its seconds per step (median interval after the warm-up) and peak tree RSS."""
     output = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{side}-"))
@@ -284,17 +301,7 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, sett
                "--device", settings.device, "--rollout-engine", settings.rollout_engine]  # fmt: skip
     if settings.gradient_checkpointing:
         command.append("--gradient-checkpointing")
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    stderr: list[str] = []
-    reader = threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True)
-    reader.start()
-    while process.poll() is None:
-        peak = max(peak, tree_rss(process.pid))
-        time.sleep(0.02)
-    reader.join()
-    if process.returncode != 0:
-        raise RuntimeError(f"{side} on {case.name} failed:\n{''.join(stderr[-40:])}")
+    peak = run_measured(command, f"{side} on {case.name}")
     result = json.loads(result_file.read_text())
     ends = result["step_ends"]
     intervals = [b - a for a, b in zip(ends[case.warmup - 1 :], ends[case.warmup :], strict=False)]
@@ -339,6 +346,15 @@ def summary(prefix: str, runs: list[dict]) -> dict:
     }
 
 
+def case_names(parser: argparse.ArgumentParser, cases: str) -> list[str]:
+    """The names of `--cases`, each one of CASES (else the parser's error)."""
+    names = cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; expected names from {list(CASES)}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (within 10 minutes on 2 vCPUs)")
@@ -379,10 +395,7 @@ def main() -> None:
         result = side(case, Path(args.model), Path(args.output), args.steps, settings)
         Path(args.result).write_text(json.dumps(result))
         return
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"--cases: unknown {unknown}; expected names from {list(CASES)}")
+    names = case_names(parser, args.cases)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lorarl.lora_merge import available_backends
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from trainer_fixtures import assert_same_completions, greedy_after_sync, make_adapter_nonzero, make_tiny_setup
+from trainer_fixtures import assert_same_completions, make_tiny_setup, served_merged_served
 from trainer_fixtures import tiny_overrides as hf_overrides
 from vllm_cpu_helpers import LOGPROB_TOLERANCE, hf_model, make_model_dir, token_logprobs
 
@@ -43,17 +43,7 @@ def trainer_for(setup, output_dir, **extra) -> Trainer:
 @pytest.mark.parametrize("worker", ["inline", "process"])
 def test_the_served_adapter_generates_what_the_merged_weights_generate(setup, tmp_path, worker):
     trainer = trainer_for(setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker)
-    trainer.start_engine()
-    try:
-        trainer.weights.sync()
-        make_adapter_nonzero(trainer.model)
-        prompts = [e.prompt_ids for e in trainer.rollouts.examples[:6]]
-        served = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
-        merged = greedy_after_sync(trainer, prompts, version=3, mode="merged")  # the same weights, merged
-        trainer.weights.sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
-        again = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
-    finally:
-        trainer.engine.close()
+    served, merged, again = served_merged_served(trainer)
     assert {c.version for c in served + merged + again} == {3}  # as vLLM recorded it
     assert_same_completions(served, merged)
     assert [a.token_ids for a in again] == [a.token_ids for a in served]

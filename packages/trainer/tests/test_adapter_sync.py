@@ -4,7 +4,7 @@ the merged weights generate; `rollout.sync=auto` measures both once and keeps th
 import json
 
 import pytest
-from trainer_fixtures import assert_same_completions, greedy_after_sync, make_adapter_nonzero, tiny_overrides
+from trainer_fixtures import assert_same_completions, served_merged_served, tiny_overrides
 
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
@@ -17,19 +17,7 @@ def test_the_served_adapter_generates_what_the_merged_weights_generate(tiny_setu
     # in float32: in bfloat16 the two round differently (the merged weight once, the unmerged path per product)
     overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker,
                                rollout__dtype="float32")  # fmt: skip
-    trainer = Trainer(load_config(None, overrides, presets=PRESETS))
-    trainer.start_engine()
-    try:
-        trainer.weights.sync()
-        make_adapter_nonzero(trainer.model)
-        prompts = [e.prompt_ids for e in trainer.rollouts.examples[:6]]
-        served = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
-        assert trainer.engine.version == 3
-        merged = greedy_after_sync(trainer, prompts, version=3, mode="merged")  # the same weights, merged this time
-        trainer.weights.sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
-        again = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
-    finally:
-        trainer.engine.close()
+    served, merged, again = served_merged_served(Trainer(load_config(None, overrides, presets=PRESETS)))
     assert_same_completions(served, merged)
     assert [a.token_ids for a in again] == [a.token_ids for a in served]
     assert [a.logprobs for a in again] == [a.logprobs for a in served]

@@ -119,6 +119,24 @@ def greedy_after_sync(trainer, prompts: list, *, version: int, mode: str) -> lis
     return trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
 
 
+def served_merged_served(trainer) -> tuple[list, list, list]:
+    """With a trained-looking adapter, as version 3: greedy completions with the adapter served unmerged, with the same
+    weights merged, then with the base weights synced back and the adapter served on them again."""
+    trainer.start_engine()
+    try:
+        trainer.weights.sync()
+        make_adapter_nonzero(trainer.model)
+        prompts = [e.prompt_ids for e in trainer.rollouts.examples[:6]]
+        served = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
+        assert trainer.engine.version == 3
+        merged = greedy_after_sync(trainer, prompts, version=3, mode="merged")  # the same weights, merged this time
+        trainer.weights.sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
+        again = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
+    finally:
+        trainer.engine.close()
+    return served, merged, again
+
+
 def assert_same_completions(got: list, expected: list) -> None:
     """The same tokens, log-probs within float32 noise (the adapter served unmerged against the merged weights)."""
     for a, b in zip(got, expected, strict=True):
