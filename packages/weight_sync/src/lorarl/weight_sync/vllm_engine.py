@@ -11,8 +11,8 @@ checksum verified, the version number the one announced, every tensor of the man
 quantized layouts are vLLM's own loaders' business). So a transfer that fails (the sender dies or stalls, a bucket is
 corrupt or missing) leaves the model untouched: the previous version keeps serving. Staging costs one copy of the
 weights for the length of an update. A failure while applying a complete version — a name or shape this model does not
-have, which is a configuration error, not a transient one — leaves the engine *incomplete*: `refusal()` says why, and
-lorarl's drivers refuse to generate until a later version is applied whole.
+have, which is a configuration error, not a transient one — leaves the model *incomplete*: the error says so
+(`INCOMPLETE`), and lorarl's drivers refuse to generate until a later version is applied whole.
 
 Tied embeddings need nothing more: vLLM's layerwise reload processes the tied LM head too (on vLLM's CPU backend the
 head keeps a prepacked GEMM of its own), which the tests check by generating after versions that change the embedding.
@@ -86,8 +86,6 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         self.info: LorarlInitInfo | None = None
         self.receiver: BucketReceiver | None = None
         self.mailbox: BucketMailbox | None = None
-        self.version: int | None = None  # the last version applied whole (None: the weights loaded from disk)
-        self.incomplete: str | None = None  # why the model holds a partly applied version, if it does
 
     # --- vLLM's RL API ---------------------------------------------------------------------------------------------
 
@@ -132,10 +130,6 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
 
     # --- lorarl's side ----------------------------------------------------------------------------------------------
 
-    def refusal(self) -> str | None:
-        """Why this engine must not generate (a version applied only in part), or None."""
-        return self.incomplete
-
     @gc_paused()
     def _stage(self, update_info: LorarlUpdateInfo) -> list[tuple[str, torch.Tensor]]:
         """The whole version, received and verified, in tensors of its own; raises (changing nothing) if any of it
@@ -163,11 +157,10 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         try:
             self.model.load_weights(iter(staged))
         except Exception as error:
-            self.incomplete = f"{INCOMPLETE}: version {version} failed while it was applied ({type(error).__name__}"
-            raise RuntimeError(f"{self.incomplete}: {error})") from error
+            raise RuntimeError(f"{INCOMPLETE}: version {version} failed while it was applied "
+                               f"({type(error).__name__}: {error})") from error  # fmt: skip
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
-        self.version, self.incomplete = version, None
 
     def _receive_adapter(self, update_info: LorarlUpdateInfo) -> None:
         """A LoRA adapter, written as a peft directory by the engine's first worker (every worker takes part in the
