@@ -104,9 +104,10 @@ def engine_dtype(settings: Settings):
     return rollout_dtype(settings.rollout_dtype, getattr(torch, settings.train_dtype), torch.device(settings.device))
 
 
-def make_model(case: Case, directory: Path) -> Path:
-    """The case's model directory: the embedded default, or a random model (seeded) with the default task's tokenizer
-    widened to the model's vocabulary (its extra tokens decode to words the reward never accepts)."""
+def make_model(case: Case, directory: Path, *, checkpoint_dtype: str = "float32") -> Path:
+    """The case's model directory: the embedded default, or a random model (seeded, saved in `checkpoint_dtype`) with
+    the default task's tokenizer widened to the model's vocabulary (its extra tokens decode to words the reward never
+    accepts)."""
     from lorarl.trainer import default_task
 
     if case.model is None:
@@ -120,7 +121,7 @@ def make_model(case: Case, directory: Path) -> Path:
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = directory / case.name
-    model.save_pretrained(path)
+    model.to(getattr(torch, checkpoint_dtype)).save_pretrained(path)
     default_task.build_tokenizer(vocab_size=config.vocab_size).save_pretrained(path)
     return path
 

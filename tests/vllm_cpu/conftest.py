@@ -3,4 +3,15 @@
 
 import os
 
+import pytest
+from trainer_fixtures import make_tiny_setup
+from vllm_cpu_helpers import make_model_dir
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def trainer_setup(tmp_path_factory):
+    """The trainer tests' prompts, reward and data, on a tied model vLLM's CPU attention takes (head size 32)."""
+    root = tmp_path_factory.mktemp("setup")
+    return make_tiny_setup(root) | {"model": str(make_model_dir(root / "vllm-model", tie=True))}

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-from trainer_fixtures import assert_same_completions, make_tiny_setup, served_merged_served
-from trainer_fixtures import tiny_overrides as hf_overrides
-from vllm_cpu_helpers import LOGPROB_TOLERANCE, hf_model, make_model_dir, token_logprobs
+from trainer_fixtures import assert_same_completions, served_merged_served
+from vllm_cpu_helpers import LOGPROB_TOLERANCE, hf_model, token_logprobs, trainer_overrides
 
 from lorarl.lora_merge import iter_merged_weights
 from lorarl.trainer.cli import main
@@ -24,33 +23,21 @@ LOGP_DIFF_LIMIT = 0.02  # rollout/abs_logp_diff, the engine's sampled-token log-
 # HF engine shows ~0.003 on these runs: the trainer scores in its own float32 kernels)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The trainer tests' prompts, reward and data, on a tied model vLLM's CPU attention takes (head size 32)."""
-    root = tmp_path_factory.mktemp("setup")
-    return make_tiny_setup(root) | {"model": str(make_model_dir(root / "vllm-model", tie=True))}
-
-
-def tiny_overrides(setup, output_dir, **extra) -> list[str]:
-    return hf_overrides(setup, output_dir, rollout__engine="vllm", rollout__dtype="float32",
-                        rollout__kv_cache_gb=0.25, **extra)  # fmt: skip
-
-
 def trainer_for(setup, output_dir, **extra) -> Trainer:
-    return Trainer(load_config(None, tiny_overrides(setup, output_dir, **extra), presets=PRESETS))
+    return Trainer(load_config(None, trainer_overrides(setup, output_dir, **extra), presets=PRESETS))
 
 
 @pytest.mark.parametrize("worker", ["inline", "process"])
-def test_the_served_adapter_generates_what_the_merged_weights_generate(setup, tmp_path, worker):
-    trainer = trainer_for(setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker)
+def test_the_served_adapter_generates_what_the_merged_weights_generate(trainer_setup, tmp_path, worker):
+    trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker)
     served, merged, again = served_merged_served(trainer)
     assert {c.version for c in served + merged + again} == {3}  # as vLLM recorded it
     assert_same_completions(served, merged)
     assert [a.token_ids for a in again] == [a.token_ids for a in served]
 
 
-def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds_it(setup, tmp_path):
-    trainer = trainer_for(setup, tmp_path / "out", rollout__sync="adapter")
+def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds_it(trainer_setup, tmp_path):
+    trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="adapter")
     trainer.start_engine()
     engine = trainer.engine
     assert isinstance(engine, InlineVllmEngine)
@@ -64,7 +51,7 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
                         p.normal_(std=0.2, generator=torch.Generator().manual_seed(version * 100 + len(name)))
             trainer.weights.sync(version=version)
             requests.append(engine.serving.lora_request)
-            reference = hf_model(setup["model"], dict(iter_merged_weights(trainer.model)))
+            reference = hf_model(trainer_setup["model"], dict(iter_merged_weights(trainer.model)))
             completions = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
             for prompt, c in zip(prompts, completions, strict=True):
                 expected, below_best = token_logprobs(reference, list(prompt), list(c.token_ids))
@@ -78,11 +65,11 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
 
 
 @pytest.mark.parametrize(("placement", "sync"), [("inline", "merged"), ("process", "merged"), ("ray", "merged"),
-                                                 ("process", "adapter")])  # fmt: skip
-def test_a_short_run_in_each_placement(setup, tmp_path, placement, sync):
+                                                 ("process", "adapter"), ("ray", "factors")])  # fmt: skip
+def test_a_short_run_in_each_placement(trainer_setup, tmp_path, placement, sync):
     extra = {"process": {"rollout__worker": "process"}, "ray": {"trainer__backend": "ray"}}.get(placement, {})
     out = tmp_path / "out"
-    assert main(tiny_overrides(setup, out, rollout__sync=sync, trainer__steps=4, **extra)) == 0
+    assert main(trainer_overrides(trainer_setup, out, rollout__sync=sync, trainer__steps=4, **extra)) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] > 0]
     assert len(steps) == 4

@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from trainer_fixtures import tiny_overrides
 
 from lorarl.trainer import default_task
 from lorarl.trainer.engines.vllm_worker import VllmSettings, start_llm
@@ -38,11 +39,21 @@ def make_model_dir(directory: Path, *, tie: bool, seed: int = 0) -> Path:
     return directory
 
 
+def trainer_overrides(setup: dict[str, str], output_dir: Path, **extra) -> list[str]:
+    """The trainer tests' short run (`trainer_fixtures.tiny_overrides`) with vLLM as its engine, in float32."""
+    return tiny_overrides(setup, output_dir, rollout__engine="vllm", rollout__dtype="float32",
+                          rollout__kv_cache_gb=0.25, **extra)  # fmt: skip
+
+
+def engine_settings(model_dir: Path, *, adapter_rank: int | None = None) -> VllmSettings:
+    """vLLM (float32) on the CPU, as the trainer configures it."""
+    return VllmSettings(str(model_dir), torch.float32, 1, 0.5, None, seed=0, adapter_rank=adapter_rank,
+                        devices=None, device="cpu", kv_cache_gb=0.25)  # fmt: skip
+
+
 def start_engine(model_dir: Path, *, adapter_rank: int | None = None):
-    """vLLM (float32) on the CPU in this process, with lorarl's weight-transfer backend: the trainer's settings."""
-    settings = VllmSettings(str(model_dir), torch.float32, 1, 0.5, None, seed=0, adapter_rank=adapter_rank,
-                            devices=None, device="cpu", kv_cache_gb=0.25)  # fmt: skip
-    return start_llm(settings)
+    """vLLM on the CPU in this process, with lorarl's weight-transfer backend (`engine_settings`)."""
+    return start_llm(engine_settings(model_dir, adapter_rank=adapter_rank))
 
 
 def hf_model(model_dir: Path, state: dict[str, torch.Tensor] | None = None):
@@ -103,8 +114,8 @@ LOGPROB_TOLERANCE = 2e-4  # float32 engine against float32 transformers; measure
 
 class SenderProcess:
     """Rank 0 of a gloo sync group in a process of its own, sending what it is told: `send(version, tensors,
-    fault)` with fault None, "corrupt" (one flipped byte on the wire, after the checksums) or "die" (SIGKILL once
-    half the tensors are sent)."""
+    fault, config)` — full weights, or with `config` tensors and a config (an adapter or a factor set) — with fault
+    None, "corrupt" (one flipped byte on the wire, after the checksums) or "die" (SIGKILL in the second bucket)."""
 
     def __init__(self, port: int, workers: int = 1):
         ctx = mp.get_context("spawn")
@@ -112,8 +123,10 @@ class SenderProcess:
         self.process = ctx.Process(target=_sender_main, args=(child, port, workers + 1), daemon=True)
         self.process.start()
 
-    def send(self, version: int, tensors: dict[str, torch.Tensor], fault: str | None = None) -> None:
-        self.conn.send((version, {k: v.contiguous() for k, v in tensors.items()}, fault))
+    def send(
+        self, version: int, tensors: dict[str, torch.Tensor], fault: str | None = None, config: dict | None = None
+    ) -> None:
+        self.conn.send((version, {k: v.contiguous() for k, v in tensors.items()}, fault, config))
 
     def result(self, timeout: float = 60.0):
         """("ok", stats) or ("error", text); None if the process died."""
@@ -136,39 +149,51 @@ def _sender_main(conn, port: int, world: int) -> None:
     broadcast = sender.channel.broadcast
     while True:
         try:
-            version, tensors, fault = conn.recv()
+            version, tensors, fault, config = conn.recv()
         except EOFError:
             return
-        sender.channel.broadcast = corrupting(broadcast) if fault == "corrupt" else broadcast
-        pairs = dying(tensors) if fault == "die" else tensors
+        faulty = {"corrupt": corrupting, "die": dying}.get(fault)
+        sender.channel.broadcast = faulty(broadcast) if faulty else broadcast
         try:
-            stats = sender.send(pairs, version=version, manifest=[(n, t.shape, t.dtype) for n, t in tensors.items()])
+            if config is not None:
+                stats = sender.send_adapter(tensors, config, version=version)
+            else:
+                manifest = [(n, t.shape, t.dtype) for n, t in tensors.items()]
+                stats = sender.send(tensors, version=version, manifest=manifest)
             conn.send(("ok", (stats.tensors, stats.bytes, stats.buckets)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
 
 
-def corrupting(broadcast):
-    """The channel's broadcast, flipping one byte of the second bucket's first data message (after its checksum)."""
+def at_second_bucket(broadcast, fault):
+    """The channel's broadcast, with `fault(tensor)` applied to the second bucket's first data message (the one after
+    its header: the checksums)."""
     seen = {"controls": 0, "since_control": 0}
 
-    def flip(tensor):
+    def send(tensor):
         if tensor.numel() == CONTROL_BYTES:
             seen["controls"] += 1
             seen["since_control"] = 0
         else:
             seen["since_control"] += 1
         if seen["controls"] == 2 and seen["since_control"] == 1:
-            tensor = tensor.clone()
-            tensor[tensor.numel() // 2] ^= 1
+            tensor = fault(tensor)
         return broadcast(tensor)
 
-    return flip
+    return send
 
 
-def dying(tensors: dict[str, torch.Tensor]):
-    """The tensors, until half of them are sent: then this process is killed, as a crashed trainer is."""
-    for index, (name, tensor) in enumerate(tensors.items()):
-        if index == len(tensors) // 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        yield name, tensor
+def corrupting(broadcast):
+    """One byte of the second bucket flipped on the wire, after its checksum."""
+
+    def flip(tensor):
+        tensor = tensor.clone()
+        tensor[tensor.numel() // 2] ^= 1
+        return tensor
+
+    return at_second_bucket(broadcast, flip)
+
+
+def dying(broadcast):
+    """This process killed in the middle of the second bucket, as a crashed trainer is."""
+    return at_second_bucket(broadcast, lambda tensor: os.kill(os.getpid(), signal.SIGKILL))

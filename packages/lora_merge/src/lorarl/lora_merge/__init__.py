@@ -1,13 +1,22 @@
 """Fused out-of-place LoRA merge (`W + s·B@A` at memory speed) and layered merged-weight streaming from peft models."""
 
 from lorarl.lora_merge.merge import BACKENDS, available_backends, cpu_has_native_bf16, merge_lora, merge_lora_
-from lorarl.lora_merge.streaming import iter_merged_weights, merged_weight_specs
+from lorarl.lora_merge.streaming import (
+    LoraFactors,
+    iter_merged_weights,
+    lora_factors,
+    merge_factors,
+    merged_weight_specs,
+)
 
 __all__ = [
     "BACKENDS",
+    "LoraFactors",
     "available_backends",
     "cpu_has_native_bf16",
     "iter_merged_weights",
+    "lora_factors",
+    "merge_factors",
     "merge_lora",
     "merge_lora_",
     "merged_weight_specs",

@@ -28,6 +28,23 @@ from lorarl.lora_merge.merge import merge_lora
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
 
+class LoraFactors(NamedTuple):
+    """What a LoRA layer adds to its base weight: `scale · lora_B @ lora_A` (transposed when `fan_in_fan_out`)."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scale: float
+    fan_in_fan_out: bool
+
+
+def merge_factors(
+    weight: torch.Tensor, factors: LoraFactors, *, out: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """`merge_lora` of `factors` into `weight` (out of place unless `out is weight`)."""
+    return merge_lora(weight, factors.lora_A, factors.lora_B, factors.scale, out=out,
+                      fan_in_fan_out=factors.fan_in_fan_out, backend=backend)  # fmt: skip
+
+
 def iter_merged_weights(
     model: nn.Module, *, adapter_name: str | None = None, dtype: torch.dtype | None = None, backend: str = "auto"
 ) -> NamedTensors:
@@ -53,6 +70,30 @@ def merged_weight_specs(
     (e.g. the manifest a weight transfer announces before it streams)."""
     merger = _Merger(model, adapter_name, dtype, "torch", specs_only=True)
     return [(name, t.shape, t.dtype) for name, t in _walk(merger.base, "", merger)]
+
+
+def lora_factors(model: nn.Module, *, adapter_name: str | None = None) -> dict[str, LoraFactors]:
+    """The factors `iter_merged_weights` merges, by the name of the base weight they add to (in `state_dict()`
+    order): `merge_factors(W0, factors)` is bit for bit the merged weight it yields, so an engine holding the base
+    weights `W0` can rebuild the merged model from these alone (the factor sync, `r·(in+out)` values per layer).
+    Tensors are detached views of the model's own. Raises `NotImplementedError` where merging needs more than
+    factors: a trained bias (`lora_bias`), a module trained whole (`modules_to_save`), a sharded (FSDP) model."""
+    merger = _Merger(model, adapter_name, None, "torch")
+    if merger.sharded:
+        raise NotImplementedError("lora_factors reads an unsharded model; gather a sharded one's adapter first")
+    peft = _peft_types()
+    factors = {}
+    for name, module in merger.base.named_modules():
+        if peft is not None and isinstance(module, peft.modules_to_save_wrapper):
+            raise NotImplementedError(f"{name}: a module trained whole (modules_to_save) is not a LoRA factor")
+        if peft is None or type(module) not in (peft.lora_linear, peft.lora_embedding):
+            continue
+        if any(module.lora_bias.get(a) for a in merger.adapters(name, module)):
+            raise NotImplementedError(f"{name}: an adapter with lora_bias=True trains the bias, not only factors")
+        layer = merger.layer_factors(name, module)
+        if layer is not None:
+            factors[f"{name}.weight"] = layer
+    return factors
 
 
 class _Merger:
@@ -88,18 +129,25 @@ class _Merger:
     def merged_weight(self, name: str, layer: nn.Module) -> torch.Tensor:
         """The layer's base weight with its adapter(s) merged: `W + Σ s_i · B_i @ A_i`, one rounding."""
         weight = layer.get_base_layer().weight.detach()
-        factors = self.factors(name, layer)
-        if not factors or self.specs_only:
+        factors = None if self.specs_only else self.layer_factors(name, layer)
+        if factors is None:
             return self.plain(weight)
-        fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
         out = self.outputs.empty(weight.shape, self.dtype or weight.dtype, weight.device)
+        return merge_factors(weight, factors, out=out, backend=self.backend)
+
+    def layer_factors(self, name: str, layer: nn.Module) -> "LoraFactors | None":
+        """What `merged_weight` adds to the base weight, as one set of factors (None: nothing to add)."""
+        factors = self.factors(name, layer)
+        if not factors:
+            return None
+        fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
         if len(factors) == 1:
             lora_A, lora_B, scale = factors[0]
         else:  # several active adapters: one merge over the concatenated ranks, so still one rounding
             lora_A = torch.cat([a.to(torch.float32) for a, _, _ in factors])
             lora_B = torch.cat([b.to(torch.float32) * s for _, b, s in factors], dim=1)
             scale = 1.0
-        return merge_lora(weight, lora_A, lora_B, scale, out=out, fan_in_fan_out=fan_in_fan_out, backend=self.backend)
+        return LoraFactors(lora_A, lora_B, float(scale), bool(fan_in_fan_out))
 
     def merged_bias(self, name: str, layer: nn.Module) -> torch.Tensor | None:
         """`lora_bias=True` adapters shift the base bias by `s · lora_B.bias`."""

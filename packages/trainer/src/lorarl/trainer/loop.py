@@ -236,7 +236,7 @@ class Trainer:
         r, t = self.config.rollout, self.config.trainer
         if r.sync != "merged" and not self.policy.is_lora:
             raise TrainerError(f"rollout.sync={r.sync} needs a LoRA adapter (model.lora.rank > 0)")
-        adapter_rank = self.model.peft_config["default"].r if r.sync != "merged" else None
+        adapter_rank = self.model.peft_config["default"].r if r.sync in ("adapter", "auto") else None
         context = EngineContext(str(self.policy.path), self.rollout_dtype, str(self.device),
                                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed, adapter_rank,
                                 r.overlap, self.config.data.batch_size * r.n,

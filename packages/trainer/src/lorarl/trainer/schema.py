@@ -64,8 +64,12 @@ class RolloutSection:
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
     max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
-    sync: str = option("merged", "merged weights, the adapter alone (served unmerged), or auto (measure both once)",
-                       ("merged", "adapter", "auto"))  # fmt: skip
+    sync: str = option("merged", "what reaches the engine after each step: merged weights; the adapter alone (served "
+                       "unmerged); the LoRA factors alone (factors: the engine merges them into its weights from a "
+                       "pristine copy of the adapted base weights, sent once — that copy costs the engine their size "
+                       "in the trainer's dtype, or the engine's where that holds them exactly; none inline on the HF "
+                       "engine, which reads the trainer's own); or auto (measure each once)",
+                       ("merged", "adapter", "factors", "auto"))  # fmt: skip
     dtype: str = option("auto", "the engine's weights dtype; auto: bfloat16 for a float32 model where the device "
                         "computes bfloat16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else model.dtype "
                         "(the trainer recomputes log-probs in model.dtype either way)",

@@ -1,6 +1,7 @@
 """The trainer's side of the weight sync (`rollout.sync`): after each update the engine gets the merged weights
-(base + adapter, streamed one layer at a time), or only the adapter, which it serves unmerged on the base it holds;
-`auto` measures both once and keeps the faster."""
+(base + adapter, streamed one layer at a time); only the adapter, which it serves unmerged on the base it holds; or
+only the LoRA factors, which it merges into its serving weights from a pristine copy of the base (`factors`: the base
+weights go with the first sync only); `auto` measures each once and keeps the fastest."""
 
 import time
 from collections.abc import Callable
@@ -8,13 +9,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
+from lorarl.lora_merge import iter_merged_weights, lora_factors, merged_weight_specs
 from lorarl.trainer.engines import EngineError, RolloutEngine
 from lorarl.trainer.models import adapters
 from lorarl.trainer.parallel import DataParallel, full_state_dict
 from lorarl.weight_sync import SyncStats
+from lorarl.weight_sync.factors import factor_set
 
-MODES = ("adapter", "merged")
+MODES = ("adapter", "merged", "factors")
 
 
 class WeightSync:
@@ -24,10 +26,13 @@ class WeightSync:
     def __init__(self, model: nn.Module, *, mode: str, dtype: torch.dtype, dp: DataParallel | None, version: int):
         self.model, self.mode, self.dtype, self.dp, self.version = model, mode, dtype, dp, version
         self.engine: RolloutEngine | None = None  # None on the ranks other than 0
+        self.engine_has_base = False  # the factor sync's base weights went to the engine already
+        if mode == "factors" and dp is not None:
+            raise EngineError("rollout.sync=factors takes an unsharded adapter: with data-parallel ranks use merged")
 
     def sync(self, version: int | None = None, mode: str | None = None) -> SyncStats | None:
-        """Stream the merged weights (`mode` "merged"), only the adapter ("adapter"), or the base weights alone
-        ("base", the adapter disabled); default: this run's mode and version."""
+        """Stream the merged weights (`mode` "merged"), only the adapter ("adapter"), only the LoRA factors
+        ("factors"), or the base weights alone ("base", the adapter disabled); default: this run's mode and version."""
         version = self.version if version is None else version
         mode = mode or self.mode
         stats = None
@@ -42,6 +47,11 @@ class WeightSync:
             if self.engine is not None:
                 config = self.model.peft_config["default"].to_dict()
                 stats = self.engine.sync_adapter(tensors, config, version=version)
+        elif mode == "factors" and self.engine is not None:
+            factors = lora_factors(self.model)
+            tensors, config = factor_set(factors, None if self.engine_has_base else self.base_weights(factors))
+            stats = self.engine.sync_factors(tensors, config, version=version)
+            self.engine_has_base = True
         elif self.engine is not None:
             stats = self.engine.sync_weights(iter_merged_weights(self.model, dtype=self.dtype), version=version,
                                              manifest=merged_weight_specs(self.model, dtype=self.dtype))  # fmt: skip
@@ -54,11 +64,22 @@ class WeightSync:
         self.version = version
         return stats
 
+    def base_weights(self, factors: dict) -> dict[str, torch.Tensor]:
+        """The frozen base weights the factors add to, with every tensor of their sibling modules (an engine that
+        fuses layers — vLLM's q/k/v with their biases, gate/up — reloads a fused layer whole): the trainer's own."""
+        parents = {name.rsplit(".", 2)[0] for name in factors}  # "model.layers.0.self_attn" of ".q_proj.weight"
+        with adapters(self.model, None):
+            return {name: tensor for name, tensor in iter_merged_weights(self.model)
+                    if name.rsplit(".", 2)[0] in parents}  # fmt: skip
+
     def choose(self, generate: Callable[[], object]) -> dict:
-        """`rollout.sync=auto`: time one sync and one `generate()` (a rollout batch) with the adapter served unmerged
-        and with merged weights; keep the faster for the run. Returns the figures (`sync/auto_*`)."""
+        """`rollout.sync=auto`: time one sync and one `generate()` (a rollout batch) in each mode (factors: its
+        second sync, without the base weights); keep the fastest for the run. Returns the figures (`sync/auto_*`)."""
         figures = {}
-        for mode in MODES:
+        modes = MODES if self.dp is None else ("adapter", "merged")
+        for mode in modes:
+            if mode == "factors":
+                self.sync(mode=mode)  # the base weights go with the first
             started = time.perf_counter()
             self.sync(mode=mode)
             synced = time.perf_counter()
@@ -66,17 +87,18 @@ class WeightSync:
                 generate()
             figures[f"sync/auto_{mode}_sync_s"] = synced - started
             figures[f"sync/auto_{mode}_generate_s"] = time.perf_counter() - synced
-        total = {mode: figures[f"sync/auto_{mode}_sync_s"] + figures[f"sync/auto_{mode}_generate_s"] for mode in MODES}
+        total = {mode: figures[f"sync/auto_{mode}_sync_s"] + figures[f"sync/auto_{mode}_generate_s"] for mode in modes}
         choice = min(total, key=total.get)
         self.mode = self.dp.broadcast(choice) if self.dp is not None else choice
         if self.mode == "adapter":  # the engine holds merged weights now: give it the base back to serve on
             self.sync(mode="base")
-        return {**figures, "sync/auto_chose_adapter": float(self.mode == "adapter")}
+        return {**figures, **{f"sync/auto_chose_{mode}": float(self.mode == mode) for mode in modes}}
 
 
 def describe_choice(figures: dict) -> str:
     """`choose`'s figures as the line the console shows."""
+    modes = [mode for mode in MODES if f"sync/auto_{mode}_sync_s" in figures]
     parts = [f"{mode}: sync {figures[f'sync/auto_{mode}_sync_s']:.2f} s + rollout "
-             f"{figures[f'sync/auto_{mode}_generate_s']:.2f} s" for mode in MODES]  # fmt: skip
-    choice = "adapter" if figures["sync/auto_chose_adapter"] else "merged"
+             f"{figures[f'sync/auto_{mode}_generate_s']:.2f} s" for mode in modes]  # fmt: skip
+    choice = next(mode for mode in modes if figures[f"sync/auto_chose_{mode}"])
     return f"rollout.sync=auto chose {choice} ({'; '.join(parts)})"

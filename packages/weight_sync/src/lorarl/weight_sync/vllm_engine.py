@@ -14,10 +14,16 @@ weights for the length of an update. A failure while applying a complete version
 have, which is a configuration error, not a transient one — leaves the model *incomplete*: the error says so
 (`INCOMPLETE`), and lorarl's drivers refuse to generate until a later version is applied whole.
 
+A factor set (`kind="factors"`, `weight_sync.factors`) is staged the same way, checked against the base weights the
+workers keep (the first set brings them: the adapted weights and their siblings, which vLLM fuses with them), merged
+with lorarl's kernel and loaded through the same layerwise reload: only the layers it names are reloaded.
+
 Tied embeddings need nothing more: vLLM's layerwise reload processes the tied LM head too (on vLLM's CPU backend the
 head keeps a prepacked GEMM of its own), which the tests check by generating after versions that change the embedding.
 """
 
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from lorarl.weight_sync.adapter_dir import save_adapter
+from lorarl.weight_sync.factors import FactorMerger, read_factor_set
 from lorarl.weight_sync.gc_pause import gc_paused
 from lorarl.weight_sync.group import create_sync_group
 from lorarl.weight_sync.protocol import TransferError
@@ -36,6 +43,7 @@ from lorarl.weight_sync.shared import BucketMailbox
 from lorarl.weight_sync.vllm import CHANNELS, INCOMPLETE, adapter_path, take_handoff
 
 WIRE_CHANNELS = ("gloo", "nccl")
+KINDS = ("weights", "factors", "adapter")
 
 
 @dataclass
@@ -61,8 +69,9 @@ class LorarlInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class LorarlUpdateInfo(WeightTransferUpdateInfo):
-    """One version: `kind` "weights" (full weights, applied to the model) or "adapter" (a LoRA adapter, written as a
-    peft directory under `adapter_dir` for a `LoRARequest`); `handoff` names the tensors of a "local" channel."""
+    """One version: `kind` "weights" (full weights, applied to the model), "factors" (a factor set, merged into
+    them) or "adapter" (a LoRA adapter, written as a peft directory under `adapter_dir` for a `LoRARequest`);
+    `handoff` names the tensors of a "local" channel."""
 
     version: int
     kind: str = "weights"
@@ -70,8 +79,8 @@ class LorarlUpdateInfo(WeightTransferUpdateInfo):
     handoff: int | None = None
 
     def __post_init__(self):
-        if self.kind not in ("weights", "adapter"):
-            raise ValueError(f"kind must be 'weights' or 'adapter', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "adapter" and not self.adapter_dir:
             raise ValueError("an adapter update needs adapter_dir (where the workers write it)")
 
@@ -86,6 +95,7 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         self.info: LorarlInitInfo | None = None
         self.receiver: BucketReceiver | None = None
         self.mailbox: BucketMailbox | None = None
+        self.factors = FactorMerger(self.model_config.dtype)  # the factor sync's pristine base weights
 
     # --- vLLM's RL API ---------------------------------------------------------------------------------------------
 
@@ -121,6 +131,9 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         if update_info.kind == "adapter":
             self._receive_adapter(update_info)
             return
+        if update_info.kind == "factors":
+            self._merge_factors(update_info)
+            return
         staged = self._stage(update_info)
         self._apply(staged, update_info.version)
 
@@ -149,8 +162,9 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
             raise TransferError(f"the trainer announced version {version} but sent version {received}")
         return staged
 
-    def _apply(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load a complete version through vLLM's layerwise reload (each layer processed as its weights complete)."""
+    def _apply(self, staged, version: int) -> None:
+        """Load a complete version (named tensors) through vLLM's layerwise reload (each layer processed as its
+        weights complete)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -165,18 +179,34 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
     def _receive_adapter(self, update_info: LorarlUpdateInfo) -> None:
         """A LoRA adapter, written as a peft directory by the engine's first worker (every worker takes part in the
         transfer). The base weights are untouched."""
+        tensors, config = self._receive_set(update_info)
+        if worker_rank() == 0:
+            save_adapter(tensors, config, adapter_path(update_info.adapter_dir, update_info.version))
+
+    def _merge_factors(self, update_info: LorarlUpdateInfo) -> None:
+        """A factor set, checked whole against the base weights kept (changing nothing if it does not fit), merged
+        and loaded. Layers it does not name keep their weights: vLLM's reload puts them back, quietly."""
+        tensors, config = self._receive_set(update_info)
+        factors, base = read_factor_set(tensors, config)
+        self.factors.store(base, share=self.info.channel == "local")  # in the trainer's process: its own tensors
+        self.factors.check(factors)
+        with _quiet("vllm.model_executor.model_loader.reload.layerwise"):  # "Failed to load weights" for each layer
+            self._apply(self.factors.merged(factors), update_info.version)
+
+    def _receive_set(self, update_info: LorarlUpdateInfo) -> tuple[dict[str, torch.Tensor], dict]:
+        """Tensors with a config (an adapter or a factor set), whole and of the announced version."""
         version = update_info.version
         if self.info.channel == "local":
             tensors, config = take_handoff(update_info.handoff, version)
-            tensors = dict(tensors)
-        elif self.info.channel in WIRE_CHANNELS:
-            tensors, config, received = self.receiver.receive_adapter()
-            if received != version:
-                raise TransferError(f"the trainer announced adapter version {version} but sent version {received}")
-        else:
-            raise ValueError(f"adapters are not sent over the {self.info.channel!r} channel: use 'local' or a wire")
-        if worker_rank() == 0:
-            save_adapter(tensors, config, adapter_path(update_info.adapter_dir, version))
+            return dict(tensors), config
+        if self.info.channel not in WIRE_CHANNELS:
+            raise ValueError(f"{update_info.kind} updates are not sent over the {self.info.channel!r} channel: use "
+                             "'local' or a wire")  # fmt: skip
+        tensors, config, received = self.receiver.receive_adapter()
+        if received != version:
+            raise TransferError(f"the trainer announced {update_info.kind} version {version} but sent version "
+                                f"{received}")  # fmt: skip
+        return tensors, config
 
 
 def worker_rank() -> int:
@@ -184,6 +214,18 @@ def worker_rank() -> int:
     from vllm.distributed.parallel_state import get_world_group
 
     return get_world_group().rank
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """`logger`'s warnings silenced for the duration (errors still shown)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -58,6 +58,11 @@ class RolloutEngine(Protocol):
         """A LoRA adapter (peft tensors and config), served unmerged on the weights the engine holds."""
         ...
 
+    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        """A factor set (`weight_sync.factors`): the engine merges the LoRA factors into its serving weights from
+        the pristine base weights it keeps (which the first set carries)."""
+        ...
+
     def sleep(self) -> None: ...
 
     def checksum(self) -> str: ...
@@ -100,7 +105,7 @@ class EngineContext:
     eos_token_id: int
     pad_token_id: int
     seed: int
-    adapter_rank: int | None  # serve a LoRA adapter of this rank unmerged (rollout.sync=adapter), else None
+    adapter_rank: int | None  # serve a LoRA adapter of this rank unmerged (rollout.sync=adapter or auto), else None
     overlap: bool  # rollout.overlap: the engine generates beside the training
     sequences: int = 1  # sequences a step's rollouts generate at once (prompts × responses)
     sequence_tokens: int = 2048  # the longest of them: prompt and response, in tokens
@@ -108,9 +113,9 @@ class EngineContext:
 
 class Worker:
     """An engine implementation: builds its model from typed settings and generates. A placement drives it —
-    `inline` calls it in this process (`load_weights`, `serve_adapter`: no wire), `process` and `ray` over a sync
-    group (`join`, then `receive` / `receive_adapter` for each version). Registered by name with
-    `engines.register_engine`, which makes the name a choice of `rollout.engine`."""
+    `inline` calls it in this process (`load_weights`, `serve_adapter`, `serve_factors`: no wire), `process` and
+    `ray` over a sync group (`join`, then `receive` / `receive_adapter` / `receive_factors` for each version).
+    Registered by name with `engines.register_engine`, which makes the name a choice of `rollout.engine`."""
 
     capabilities: ClassVar[Capabilities] = Capabilities()
     version: int

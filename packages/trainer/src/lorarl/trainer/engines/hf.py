@@ -1,7 +1,8 @@
 """`rollout.engine=hf`: a Hugging Face causal LM generating with lorarl's decode loop (`decode.py`), on CPU or GPU.
 
 Merged weights arrive copied in (inline) or over gloo (a process or Ray actor of its own); an adapter
-(`rollout.sync=adapter`) is served unmerged by peft on the weights the worker holds.
+(`rollout.sync=adapter`) is served unmerged by peft on the weights the worker holds; a factor set
+(`rollout.sync=factors`) is merged straight into the model's weights from the pristine base the worker keeps.
 """
 
 import hashlib
@@ -16,6 +17,7 @@ from lorarl.trainer import cpu_attention
 from lorarl.trainer.decode import decode
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, Worker
 from lorarl.weight_sync import BucketReceiver, SyncStats, TensorSpec, copy_into, create_sync_group, save_adapter
+from lorarl.weight_sync.factors import FactorMerger, read_factor_set
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class HFWorker(Worker):
         self.version = 0  # the weights from disk
         self.receiver: BucketReceiver | None = None
         self.adapter = None  # a peft model around self.model while an adapter is served unmerged
+        self.factors = FactorMerger(settings.dtype)  # the pristine base weights of the factor sync
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
@@ -84,6 +87,26 @@ class HFWorker(Worker):
         self.version = version
         return version
 
+    def serve_factors(self, tensors: dict[str, torch.Tensor], config: dict, version: int, share: bool = False) -> int:
+        """A factor set merged into the model's own weights from the pristine base weights (those the set adapts,
+        kept from the first set; `share`: the trainer's own tensors, in its process). Checked whole first: a set
+        that does not fit changes nothing."""
+        factors, base = read_factor_set(tensors, config)
+        params = {
+            name.replace(".base_layer", ""): p for name, p in self.model.named_parameters() if "lora_" not in name
+        }  # its own weights, also under an adapter served (which unload() keeps)
+        unknown = [name for name in factors if name not in params]
+        if unknown:
+            raise ValueError(f"the factor set adapts weights the model lacks: {unknown[:5]}")
+        self.factors.store(base, keep=factors.__contains__, share=share)
+        self.factors.check(factors)
+        self.drop_adapter()
+        with torch.no_grad():
+            for _ in self.factors.merged(factors, outputs={name: params[name].data for name in factors}):
+                pass
+        self.version = version
+        return version
+
     def drop_adapter(self) -> None:
         if self.adapter is not None:
             self.model, self.adapter = self.adapter.unload(), None  # the LoRA layers out, the base as it was
@@ -104,6 +127,10 @@ class HFWorker(Worker):
     def receive_adapter(self, version: int) -> int:
         tensors, config, received = self.receiver.receive_adapter()
         return self.serve_adapter(tensors, config, expected(received, version))
+
+    def receive_factors(self, version: int) -> int:
+        tensors, config, received = self.receiver.receive_adapter()
+        return self.serve_factors(tensors, config, expected(received, version))
 
     def checksum(self) -> str:
         return checksum(self.model.state_dict().items())

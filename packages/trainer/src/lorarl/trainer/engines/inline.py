@@ -1,6 +1,7 @@
 """The inline placement (`rollout.worker=inline`): the worker in the trainer's own process — no second copy of torch
 and transformers, no wire: merged weights are copied from the stream straight into its model, with the receiver's
-checks (`weight_sync.copy_into`). It generates when asked, so nothing overlaps with training."""
+checks (`weight_sync.copy_into`); a factor set is merged from the trainer's own base weights (shared, not copied).
+It generates when asked, so nothing overlaps with training."""
 
 import time
 from collections.abc import Iterable, Sequence
@@ -34,6 +35,12 @@ class InlineEngine(GeneratesWhenAsked):
         owned = {name: tensor.detach().clone() for name, tensor in tensors.items()}  # the trainer trains its own on
         self.version = self.worker.serve_adapter(owned, config, version)
         return SyncStats(version, len(owned), sum(t.nbytes for t in owned.values()), 0, time.perf_counter() - started)
+
+    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        started = time.perf_counter()
+        self.version = self.worker.serve_factors(tensors, config, version, share=True)  # merged before it returns
+        nbytes = sum(t.nbytes for t in tensors.values())
+        return SyncStats(version, len(tensors), nbytes, 0, time.perf_counter() - started)
 
     def checksum(self) -> str:
         return self.worker.checksum()

@@ -78,6 +78,10 @@ class ProcessEngine(SubmitsInBackground):
         return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
                                                               version=version))  # fmt: skip
 
+    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        return self._sync("receive_factors", version, partial(self.sender.send_adapter, tensors, config,
+                                                              version=version))  # fmt: skip
+
     def _sync(self, command: str, version: int, send) -> SyncStats:
         """The worker starts `command` (its end of the transfer of `version`), this side sends; then the worker's
         version. If sending fails, the worker's own error (it failed first, or with it) is the one raised."""
@@ -141,7 +145,7 @@ def _serve(conn, worker_class: type, settings, port: int) -> None:
         conn.send(("error", traceback.format_exc()))
         return
     commands = {"generate": worker.generate, "receive": worker.receive, "receive_adapter": worker.receive_adapter,
-                "checksum": worker.checksum}  # fmt: skip
+                "receive_factors": worker.receive_factors, "checksum": worker.checksum}  # fmt: skip
     while True:
         command, args = conn.recv()
         if command == "close":

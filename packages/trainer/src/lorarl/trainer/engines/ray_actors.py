@@ -91,9 +91,16 @@ class RayEngines(SubmitsInBackground):
         return stats
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        received = [actor.receive_adapter.remote(version) for actor in self.actors]
+        return self._send_set("receive_adapter", tensors, config, version)
+
+    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        return self._send_set("receive_factors", tensors, config, version)
+
+    def _send_set(self, command: str, tensors: dict[str, torch.Tensor], config: dict, version: int) -> SyncStats:
+        """Tensors with a config (an adapter or a factor set), received by every replica's `command`."""
+        received = [getattr(actor, command).remote(version) for actor in self.actors]
         stats = self.sender.send_adapter(tensors, config, version=version)
-        self.version = agreed(self._get(received, "receive_adapter"), "version after receive_adapter")
+        self.version = agreed(self._get(received, command), f"version after {command}")
         return stats
 
     def _failed(self, joined: list) -> str | None:

@@ -6,7 +6,8 @@ own on GPUs 0..TP-1 (those of the trainer's ranks), and the weights go as shared
 Either way through vLLM's weight-update API and lorarl's transfer engine, which applies a version whole or not at all.
 On GPUs the engine sleeps while the trainer trains (`sleep()`, called after the rollouts): level 2 — weights and KV
 cache freed — with merged sync, since the next sync replaces every weight; level 1 — weights to host memory — with
-adapter sync, whose base must survive. `sync_weights` wakes it. vLLM's CPU build has no sleep mode.
+adapter and factor sync, whose base (the layers a factor set leaves alone) must survive. A sync wakes it. vLLM's CPU
+build has no sleep mode.
 """
 
 import dataclasses
@@ -31,7 +32,7 @@ class InlineVllmEngine(GeneratesWhenAsked):
     def __init__(self, llm, settings: VllmSettings, *, bucket_bytes: int):
         self.serving = VllmServing(llm)
         self.capabilities = Capabilities(sleep=settings.on_gpu)
-        self.adapter_mode = settings.adapter_rank is not None
+        self.sleep_level = 1 if settings.adapter_rank is not None else 2  # 1: keeps the weights (see above)
         workers = settings.tensor_parallel_size
         self.transfer = VllmWeightTransfer(OfflineClient(llm), channel="local" if workers == 1 else "ipc",
                                            workers=workers, timeout=settings.timeout,
@@ -44,7 +45,7 @@ class InlineVllmEngine(GeneratesWhenAsked):
 
     def generate(self, prompts, *, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
         if self.asleep:
-            if not self.adapter_mode:
+            if self.sleep_level == 2:
                 raise EngineError("the inline vLLM engine freed its weights to sleep: sync weights before generating")
             self.serving.llm.wake_up()
             self.asleep = False
@@ -53,7 +54,7 @@ class InlineVllmEngine(GeneratesWhenAsked):
     def sleep(self) -> None:
         """Free the GPU for training (see the module docstring for what each mode keeps)."""
         if self.capabilities.sleep and not self.asleep:
-            self.serving.llm.sleep(level=1 if self.adapter_mode else 2)
+            self.serving.llm.sleep(level=self.sleep_level)
             self.asleep = True
 
     def sync_weights(
@@ -76,6 +77,13 @@ class InlineVllmEngine(GeneratesWhenAsked):
         )
         self.serving.serve_adapter(directory)
         return stats
+
+    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        self.sleep_level = 1  # a factor set reloads only the layers it adapts: the others must survive sleep
+        if self.asleep:
+            self.serving.llm.wake_up()
+            self.asleep = False
+        return self.serving.update(lambda: self.transfer.send_factors(tensors, config, version=version), version)
 
     def checksum(self) -> str:
         raise EngineError("vLLM holds its weights fused: no checksum comparable to the trainer's")

@@ -11,9 +11,10 @@ later version is applied whole.
 
 `rollout.sync=merged` streams merged weights into the engine; `rollout.sync=adapter` sends only the LoRA tensors,
 which the engine serves unmerged as a `LoRARequest` of its own per version (`enable_lora`; its base weights are the
-ones it loaded from `model.path`). Placements: inline (`vllm_inline.InlineVllmEngine`: vLLM in the trainer's process,
-weights handed over without a wire), a process or Ray actor of its own (`VllmWorker`, over gloo on CPU and NCCL on
-GPUs). vLLM is imported only when an engine starts.
+ones it loaded from `model.path`); `rollout.sync=factors` sends only the LoRA factors, which lorarl's transfer engine
+merges into vLLM's weights from the base weights it keeps (`weight_sync.factors`). Placements: inline
+(`vllm_inline.InlineVllmEngine`: vLLM in the trainer's process, weights handed over without a wire), a process or
+Ray actor of its own (`VllmWorker`, over gloo on CPU and NCCL on GPUs). vLLM is imported only when an engine starts.
 """
 
 import itertools
@@ -254,6 +255,10 @@ class VllmWorker(Worker):
     def receive_adapter(self, version: int) -> int:
         self.serving.update_round(version, kind="adapter")
         self.serving.serve_adapter(str(adapter_path(self.serving.adapter_dir, version)))
+        return self.version
+
+    def receive_factors(self, version: int) -> int:
+        self.serving.update_round(version, kind="factors")
         return self.version
 
     def close(self) -> None:

@@ -1,0 +1,128 @@
+"""The factor sync (`rollout.sync=factors`): only the LoRA factors cross the wire, and the engine merges them.
+
+Each version carries, for every adapted layer, `lora_A`, `lora_B`, the scale and the layout (a *factor set*,
+`r·(in+out)` values per layer instead of `in·out`); the first one also carries the base weights `W0` the factors add
+to, which the engine keeps pristine (`FactorMerger`) and merges out of place, `W = W0 + s·B@A`, with
+`lorarl.lora_merge.merge_lora` — the kernel and rounding of the trainer's merged sync, so the engine ends up with the
+very bits a merged sync would give it, and `W0` never drifts. On the wire a factor set is an adapter transfer:
+tensors named `<weight>.lora_A` / `<weight>.lora_B` / `<weight>` (a base weight), and a JSON config with the scales.
+
+The merge needs `lorarl-lora-merge` beside the engine (`pip install lorarl-weight-sync[factors]`); this module imports
+it only when a factor set is merged.
+"""
+
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
+
+import torch
+
+FORMAT = "lorarl-factors/1"
+_SUFFIXES = (".lora_A", ".lora_B")
+
+
+class Factors(NamedTuple):
+    """What a LoRA layer adds to its base weight: `scale · lora_B @ lora_A` (transposed when `fan_in_fan_out`);
+    the fields of `lorarl.lora_merge.LoraFactors`."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scale: float
+    fan_in_fan_out: bool
+
+
+def factor_set(
+    factors: Mapping[str, tuple], base: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """`(tensors, config)` to send for `factors` (base-weight name -> `(lora_A, lora_B, scale, fan_in_fan_out)`, as
+    `lora_merge.lora_factors` returns them) and, when the engine does not hold them yet, the `base` weights."""
+    tensors: dict[str, torch.Tensor] = {}
+    scales, transposed = {}, []
+    for name, (lora_A, lora_B, scale, fan_in_fan_out) in factors.items():
+        tensors[name + ".lora_A"], tensors[name + ".lora_B"] = lora_A, lora_B
+        scales[name] = float(scale)
+        if fan_in_fan_out:
+            transposed.append(name)
+    tensors.update(base or {})
+    return tensors, {"format": FORMAT, "scales": scales, "fan_in_fan_out": transposed, "base": list(base or {})}
+
+
+def read_factor_set(
+    tensors: Mapping[str, torch.Tensor], config: dict
+) -> tuple[dict[str, Factors], dict[str, torch.Tensor]]:
+    """`factor_set`'s inverse: `(factors, base)`. Raises `ValueError` naming what does not fit the format."""
+    if config.get("format") != FORMAT:
+        raise ValueError(f"not a factor set: its config's format is {config.get('format')!r}, expected {FORMAT!r}")
+    scales, transposed, base_names = config["scales"], set(config["fan_in_fan_out"]), config["base"]
+    factors = {}
+    for name, scale in scales.items():
+        missing = [name + s for s in _SUFFIXES if name + s not in tensors]
+        if missing:
+            raise ValueError(f"the factor set lacks {missing}")
+        factors[name] = Factors(tensors[name + ".lora_A"], tensors[name + ".lora_B"], scale, name in transposed)
+    base = {name: tensors[name] for name in base_names if name in tensors}
+    unknown = sorted(set(tensors) - {name + s for name in scales for s in _SUFFIXES} - set(base))
+    if unknown or len(base) != len(base_names):
+        raise ValueError(f"the factor set's tensors do not match its config: unexpected {unknown[:5]}, "
+                         f"base weights missing {sorted(set(base_names) - set(base))[:5]}")  # fmt: skip
+    return factors, base
+
+
+class FactorMerger:
+    """An engine's pristine base weights and the merge of each factor set into serving weights.
+
+    `store` keeps the base weights a factor set brings — each in `dtype` (the engine's) when that holds it exactly
+    (a bf16 checkpoint trained in fp32: half the memory, the same bits merged), else as sent; never written to after.
+    `merged` checks a whole factor set against them before any merge, so a set that does not fit changes nothing."""
+
+    def __init__(self, dtype: torch.dtype, *, backend: str = "auto"):
+        self.dtype, self.backend = dtype, backend
+        self.base: dict[str, torch.Tensor] = {}
+
+    def store(self, base: Mapping[str, torch.Tensor], *, keep=None, share: bool = False) -> None:
+        """Keep `base` (those of its names `keep(name)` accepts, when given) as the pristine base weights; `share`:
+        hold the tensors themselves (the trainer's frozen base, in the trainer's process: no copy at all)."""
+        for name, tensor in base.items():
+            if keep is None or keep(name):
+                self.base[name] = tensor if share else _compact(tensor, self.dtype)
+
+    def check(self, factors: Mapping[str, Factors]) -> None:
+        """Raise `ValueError` naming the first layer whose factors do not fit its base weight (or that has none)."""
+        for name, f in factors.items():
+            if name not in self.base:
+                raise ValueError(f"no base weight for {name!r}: the first factor set must carry it (none stored yet"
+                                 f"{'' if self.base else ' at all'})")  # fmt: skip
+            rows, cols = self.base[name].shape
+            fan_in, fan_out = (rows, cols) if f.fan_in_fan_out else (cols, rows)
+            rank = f.lora_A.shape[0]
+            if f.lora_A.shape != (rank, fan_in) or f.lora_B.shape != (fan_out, rank):
+                raise ValueError(f"{name}: factors {tuple(f.lora_A.shape)} and {tuple(f.lora_B.shape)} do not fit its "
+                                 f"base weight {tuple(self.base[name].shape)}")  # fmt: skip
+
+    def merged(
+        self, factors: Mapping[str, Factors], *, outputs: Mapping[str, torch.Tensor] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stored base weight in the engine's dtype, in the order stored: `W0 + s·B@A` for those `factors`
+        adapts (the whole set checked first), merged into `outputs[name]` when given (e.g. the engine's own
+        parameter) or a new tensor; `W0` for the others (unadapted parts of a fused engine layer, loaded with it)."""
+        from lorarl.lora_merge import merge_lora
+
+        self.check(factors)
+        outputs = outputs or {}
+        for name, weight in self.base.items():
+            f = factors.get(name)
+            if f is None:
+                yield name, weight.to(self.dtype)
+                continue
+            out = outputs.get(name)
+            if out is None:
+                out = torch.empty(weight.shape, dtype=self.dtype, device=weight.device)
+            yield name, merge_lora(weight, f.lora_A.to(weight.device), f.lora_B.to(weight.device), f.scale, out=out,
+                                   fan_in_fan_out=f.fan_in_fan_out, backend=self.backend)  # fmt: skip
+
+
+def _compact(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype` if that holds it exactly, else as it is (the merge reads either as the same fp32)."""
+    if tensor.dtype == dtype or not (tensor.is_floating_point() and dtype.itemsize < tensor.dtype.itemsize):
+        return tensor
+    narrow = tensor.to(dtype)
+    return narrow if torch.equal(narrow.to(tensor.dtype), tensor) else tensor
