@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorarl.lora_merge import merge_lora
-from lorarl.weight_sync.factors import FORMAT, FactorMerger, Factors, factor_set, read_factor_set
+from lorarl.weight_sync.factors import FORMAT, FactorMerger, Factors, factor_set, narrowed_base, read_factor_set
 
 
 def layer(out_features: int, in_features: int, rank: int, seed: int, *, bf16_exact: bool) -> tuple:
@@ -68,3 +68,14 @@ def test_what_does_not_fit_is_refused_before_any_merge():
     with pytest.raises(ValueError, match=r"y.weight: factors \(2, 6\) and \(8, 1\) do not fit"):
         list(merger.merged({"x.weight": factors, "y.weight": wrong}, outputs=outputs))
     assert not outputs["x.weight"].any()  # nothing merged, not even the layer that fits
+
+
+def test_a_sender_narrows_only_the_base_weights_and_only_where_exact():
+    exact, inexact = torch.randn(4, 4).to(torch.bfloat16).float(), torch.randn(4, 4) / 3
+    _, factors = layer(4, 4, 2, 0, bf16_exact=True)
+    tensors, config = factor_set({"a.weight": factors}, {"a.weight": exact, "b.weight": inexact})
+    sent = narrowed_base(tensors, config, torch.bfloat16)
+    assert sent["a.weight"].dtype == torch.bfloat16
+    assert torch.equal(sent["a.weight"].float(), exact)
+    assert sent["b.weight"] is inexact  # not exact in bf16: as it is
+    assert sent["a.weight.lora_A"] is factors.lora_A  # factors travel as trained

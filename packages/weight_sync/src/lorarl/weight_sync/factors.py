@@ -71,7 +71,8 @@ class FactorMerger:
     """An engine's pristine base weights and the merge of each factor set into serving weights.
 
     `store` keeps the base weights a factor set brings — each in `dtype` (the engine's) when that holds it exactly
-    (a bf16 checkpoint trained in fp32: half the memory, the same bits merged), else as sent; never written to after.
+    (a bf16 checkpoint trained in fp32: half the memory, the same bits merged; `narrowed`), else as sent; never
+    written to after.
     `merged` checks a whole factor set against them before any merge, so a set that does not fit changes nothing."""
 
     def __init__(self, dtype: torch.dtype, *, backend: str = "auto"):
@@ -83,7 +84,7 @@ class FactorMerger:
         hold the tensors themselves (the trainer's frozen base, in the trainer's process: no copy at all)."""
         for name, tensor in base.items():
             if keep is None or keep(name):
-                self.base[name] = tensor if share else _compact(tensor, self.dtype)
+                self.base[name] = tensor if share else narrowed(tensor, self.dtype)
 
     def check(self, factors: Mapping[str, Factors]) -> None:
         """Raise `ValueError` naming the first layer whose factors do not fit its base weight (or that has none)."""
@@ -120,7 +121,14 @@ class FactorMerger:
                                    fan_in_fan_out=f.fan_in_fan_out, backend=self.backend)  # fmt: skip
 
 
-def _compact(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def narrowed_base(tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A factor set's tensors with its base weights `narrowed` to the engine's `dtype`: what a sender does before a
+    wire, so that the first set crosses in half the bytes and the engine never holds the wider copy."""
+    base = set(config["base"])
+    return {name: narrowed(t, dtype) if name in base else t for name, t in tensors.items()}
+
+
+def narrowed(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`tensor` in `dtype` if that holds it exactly, else as it is (the merge reads either as the same fp32)."""
     if tensor.dtype == dtype or not (tensor.is_floating_point() and dtype.itemsize < tensor.dtype.itemsize):
         return tensor

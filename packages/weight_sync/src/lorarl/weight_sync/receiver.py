@@ -113,10 +113,11 @@ class BucketReceiver:
 
     @gc_paused()
     def receive_adapter(self) -> tuple[dict[str, torch.Tensor], dict, int]:
-        """Receive an adapter transfer: `(tensors, peft adapter config, version)`; the tensors are owned copies."""
+        """Receive an adapter transfer: `(tensors, peft adapter config, version)`; the tensors are the caller's own
+        (large ones received straight into them: no buffer of this receiver outlives the transfer — the first factor
+        set brings a model's worth of base weights, once)."""
         transfer = self._start("adapter")
-        transfer.reuse = True
-        tensors = {name: tensor.clone() for name, tensor, _ in self._tensors(transfer)}
+        tensors = {name: tensor.clone() if kind == VIEW else tensor for name, tensor, kind in self._tensors(transfer)}
         return tensors, transfer.header.adapter_config or {}, transfer.header.version
 
     @gc_paused()

@@ -13,6 +13,7 @@ import torch
 
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground
 from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, TransferError, create_sync_group, free_port
+from lorarl.weight_sync.factors import narrowed_base
 
 
 def join_sync_group(host: str, port: int, world: int, settings, failed: Callable[[], str | None]):
@@ -55,7 +56,7 @@ class ProcessEngine(SubmitsInBackground):
         name = f"lorarl-{worker_class.__name__}"
         self.process = ctx.Process(target=_serve, args=(child, worker_class, settings, port), daemon=True, name=name)
         self.process.start()
-        self.timeout = settings.timeout
+        self.timeout, self.dtype = settings.timeout, settings.dtype
         self._early: tuple | None = None  # the worker's first answer, if it came while this side joined
         group = join_sync_group("127.0.0.1", port, 1 + settings.sync_ranks, settings, self._failed_to_start)
         self.sender = sync_sender(group, settings, bucket_bytes)
@@ -79,6 +80,7 @@ class ProcessEngine(SubmitsInBackground):
                                                               version=version))  # fmt: skip
 
     def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        tensors = narrowed_base(tensors, config, self.dtype)
         return self._sync("receive_factors", version, partial(self.sender.send_adapter, tensors, config,
                                                               version=version))  # fmt: skip
 

@@ -12,6 +12,7 @@ import torch
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground, agreed
 from lorarl.trainer.engines.process import join_sync_group, sync_sender
 from lorarl.weight_sync import SyncStats, TensorSpec, free_port
+from lorarl.weight_sync.factors import narrowed_base
 
 # Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
 # workers run this interpreter instead. Read when Ray is imported (lazily, below); =1 brings the hook back.
@@ -40,7 +41,7 @@ class RayEngines(SubmitsInBackground):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.timeout = settings.timeout
+        self.timeout, self.dtype = settings.timeout, settings.dtype
         self.started_ray = connect(address, cpus=replicas + 1)
         gpus = settings.sync_ranks if settings.device.startswith("cuda") else 0  # a vLLM replica: TP GPUs
         self.placement = placement_group([{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}] * replicas, strategy="PACK")
@@ -94,7 +95,7 @@ class RayEngines(SubmitsInBackground):
         return self._send_set("receive_adapter", tensors, config, version)
 
     def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        return self._send_set("receive_factors", tensors, config, version)
+        return self._send_set("receive_factors", narrowed_base(tensors, config, self.dtype), config, version)
 
     def _send_set(self, command: str, tensors: dict[str, torch.Tensor], config: dict, version: int) -> SyncStats:
         """Tensors with a config (an adapter or a factor set), received by every replica's `command`."""
