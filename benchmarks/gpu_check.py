@@ -22,8 +22,9 @@ The checks, in the order they run:
   streaming        `iter_merged_weights` of a Qwen2-0.5B-shaped bf16 model vs peft's `merge_and_unload`
   ipc_mailbox      the bucket mailbox between a producer and two consumer processes (CUDA IPC on a GPU): two
                    versions bit-identical, and a killed consumer makes the producer raise within its timeout
-  hf_engine        the HF rollout engine, in the trainer's process and in one of its own: after a step its weights
-                   equal the trainer's merge bit for bit, and the adapter it serves generates what the merge generates
+  hf_engine        the HF rollout engine, in the trainer's process and in one of its own, fed merged weights or the
+                   LoRA factors (merged by the engine with the trainer's kernel): after a step its weights equal the
+                   trainer's merge bit for bit; the adapter it serves generates what the merge generates
   trainer_default  `uv run trainer`'s job without uv (`python3 -m lorarl.trainer.cli`): validation accuracy must rise
   trainer_smollm2  a random SmolLM2-135M-shaped model in bf16 with gradient checkpointing, 20 steps on a reward it can
                    learn: the reward must rise
@@ -41,6 +42,7 @@ sessions).
 import argparse
 import dataclasses
 import importlib.metadata
+import itertools
 import json
 import os
 import shutil
@@ -239,16 +241,19 @@ def hf_engine(ctx: Context) -> dict:
     from lorarl.trainer.engines.hf import checksum
 
     figures = {}
-    for worker in ("inline", "process"):
-        trainer = default_trainer(ctx, "hf", rollout__worker=worker)
+    for worker, sync in itertools.product(("inline", "process"), ("merged", "factors")):
+        # factors: the engine merges them with the trainer's kernel (Triton on a GPU) from its base copy
+        trainer = default_trainer(ctx, f"hf-{sync}", rollout__worker=worker, rollout__sync=sync)
         trainer.start_engine()
         try:
             trainer.weights.sync()
             metrics = trainer.train_step(1)
             merged = checksum(iter_merged_weights(trainer.model, dtype=trainer.rollout_dtype))
             if trainer.engine.checksum() != merged:
-                raise AssertionError(f"{worker} engine: its weights are not the trainer's merge after a step")
-            figures[f"{worker}_merged_step_s"] = round(metrics["timing/step_s"], 3)
+                raise AssertionError(f"{worker} engine, {sync} sync: its weights are not the trainer's merge after a "
+                                     "step")  # fmt: skip
+            figures[f"{worker}_{sync}_step_s"] = round(metrics["timing/step_s"], 3)
+            figures[f"{worker}_{sync}_sync_bytes"] = metrics["sync/bytes"]
             figures[f"{worker}_rollout_dtype"] = str(trainer.rollout_dtype).removeprefix("torch.")
         finally:
             trainer.engine.close()

@@ -8,8 +8,9 @@ LoRA weights, each `weights.sync` call whole (the trainer's merge or factor extr
 apply), and `--batches` rollout batches after them (the case's prompts × 8 responses × its max new tokens, sampled).
 Runs are interleaved (merged, adapter, factors, merged, ...). Per case and engine it prints one JSON object with, per
 mode: `bytes` on the wire per sync, `sync_s` (median), `decode_tokens_per_s`, `engine_rss_gb` (the engine's process
-tree after the syncs) and `engine_peak_rss_gb` (sampled every 20 ms through them); and each mode's ratios to
-merged mode's (`*_vs_merged`). Last, the bytes per sync for 7B and 70B shapes, computed from their configs.
+tree after the syncs and the batches) and `engine_peak_rss_gb` (sampled every 20 ms through the syncs); and each
+mode's ratios to merged mode's (`*_vs_merged`). Last, the bytes per sync for 7B and 70B shapes, computed from their
+configs.
 
 Run in the vLLM CPU environment (`scripts/vllm_cpu_env.sh --bench`):
 
@@ -84,7 +85,6 @@ def run_mode(engine: str, mode: str, case: Case, model: Path, output: Path, sync
         nbytes.append(stats.bytes)
     sampling.set()
     sampler.join()
-    engine_rss = tree_rss(engine_pid)
     prompts = [e.prompt_ids for e in trainer.rollouts.examples[: case.prompts * (batches + 1)]]
     decode_s, tokens = [], []
     for index in range(batches + 1):
@@ -95,6 +95,7 @@ def run_mode(engine: str, mode: str, case: Case, model: Path, output: Path, sync
         if index:  # the first batch warms up
             decode_s.append(time.perf_counter() - started)
             tokens.append(sum(len(c.token_ids) for c in completions))
+    engine_rss = tree_rss(engine_pid)  # every weight touched by now (a model loaded from disk is mapped lazily)
     trainer.engine.close()
     return {"sync_s": seconds, "bytes": nbytes, "engine_rss": engine_rss, "engine_peak_rss": peak["rss"],
             "decode_s": decode_s, "tokens": tokens, "rollout_dtype": str(trainer.rollout_dtype)}  # fmt: skip

@@ -74,8 +74,9 @@ def test_factor_sets_serve_bit_for_bit_what_the_merged_weights_serve(tmp_path, t
                 ]  # exactly: the engine holds the same bits
             assert_greedy_and_logprobs_match(engine.serving.llm, merged_reference(model_dir, model), PROMPTS,
                                              version=str(version))  # fmt: skip
-            lora_bytes = sum(p.nbytes for n, p in model.named_parameters() if "lora_" in n)
-            assert stats.bytes == lora_bytes or version == 1  # the base weights went with the first set only
+            scales = 8 * len(lora_factors(model))  # a float64 each
+            factor_bytes = sum(p.nbytes for n, p in model.named_parameters() if "lora_" in n) + scales
+            assert stats.bytes == factor_bytes or version == 1  # the base weights went with the first set only
     finally:
         engine.close()
 
@@ -96,8 +97,8 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
 
     def update(sender, version, *, with_base=False, fault=None):
         train_a_step(model, version)
-        tensors, config = factor_set(lora_factors(model), base if with_base else None)
-        sender.send(version, {k: v.detach() for k, v in tensors.items()}, fault, config)
+        tensors = factor_set(lora_factors(model), base if with_base else None)
+        sender.send(version, {k: v.detach() for k, v in tensors.items()}, fault)
         return update_round(client, {"version": version, "kind": "factors"}, version)
 
     def assert_serves(version, reference):
@@ -123,10 +124,9 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
             update(sender, 4, with_base=True, fault="die")
         assert sender.result(timeout=5) is None
         assert_serves(3, v3)
-        tensors, config = factor_set(lora_factors(model))
-        misfit = {**tensors, "model.layers.0.mlp.up_proj.weight.lora_A": torch.zeros(4, 3)}
+        misfit = factor_set(lora_factors(model)) | {"model.layers.0.mlp.up_proj.weight.lora_A": torch.zeros(4, 3)}
         sender = connect()  # a trainer that comes back joins afresh; the engine kept the base weights
-        sender.send(5, misfit, None, config)
+        sender.send(5, {k: v.detach() for k, v in misfit.items()})
         with pytest.raises(ValueError, match="do not fit its base weight"):
             update_round(client, {"version": 5, "kind": "factors"}, 5)
         sender.result()  # it sent the set whole: the engine refused it after

@@ -114,8 +114,8 @@ LOGPROB_TOLERANCE = 2e-4  # float32 engine against float32 transformers; measure
 
 class SenderProcess:
     """Rank 0 of a gloo sync group in a process of its own, sending what it is told: `send(version, tensors,
-    fault, config)` — full weights, or with `config` tensors and a config (an adapter or a factor set) — with fault
-    None, "corrupt" (one flipped byte on the wire, after the checksums) or "die" (SIGKILL in the second bucket)."""
+    fault)` with fault None, "corrupt" (one flipped byte on the wire, after the checksums) or "die" (SIGKILL in the
+    second bucket)."""
 
     def __init__(self, port: int, workers: int = 1):
         ctx = mp.get_context("spawn")
@@ -123,10 +123,8 @@ class SenderProcess:
         self.process = ctx.Process(target=_sender_main, args=(child, port, workers + 1), daemon=True)
         self.process.start()
 
-    def send(
-        self, version: int, tensors: dict[str, torch.Tensor], fault: str | None = None, config: dict | None = None
-    ) -> None:
-        self.conn.send((version, {k: v.contiguous() for k, v in tensors.items()}, fault, config))
+    def send(self, version: int, tensors: dict[str, torch.Tensor], fault: str | None = None) -> None:
+        self.conn.send((version, {k: v.contiguous() for k, v in tensors.items()}, fault))
 
     def result(self, timeout: float = 60.0):
         """("ok", stats) or ("error", text); None if the process died."""
@@ -149,17 +147,13 @@ def _sender_main(conn, port: int, world: int) -> None:
     broadcast = sender.channel.broadcast
     while True:
         try:
-            version, tensors, fault, config = conn.recv()
+            version, tensors, fault = conn.recv()
         except EOFError:
             return
         faulty = {"corrupt": corrupting, "die": dying}.get(fault)
         sender.channel.broadcast = faulty(broadcast) if faulty else broadcast
         try:
-            if config is not None:
-                stats = sender.send_adapter(tensors, config, version=version)
-            else:
-                manifest = [(n, t.shape, t.dtype) for n, t in tensors.items()]
-                stats = sender.send(tensors, version=version, manifest=manifest)
+            stats = sender.send(tensors, version=version, manifest=[(n, t.shape, t.dtype) for n, t in tensors.items()])
             conn.send(("ok", (stats.tensors, stats.bytes, stats.buckets)))
         except Exception:
             conn.send(("error", traceback.format_exc()))

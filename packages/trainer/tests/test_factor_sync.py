@@ -60,7 +60,8 @@ def test_each_factor_sync_gives_the_engine_the_merged_weights_bit_for_bit(tiny_s
                 assert trainer.engine.checksum() == checksum(merged), version
                 assert trainer.engine.version == version
                 lora_bytes = sum(p.nbytes for n, p in trainer.model.named_parameters() if "lora_" in n)
-                assert stats.bytes == lora_bytes or version == 1  # the base weights went with the first only
+                scales = 8 * len(lora_factors(trainer.model))  # a float64 each
+                assert stats.bytes == lora_bytes + scales or version == 1  # the base weights went with the first only
             with adapters(trainer.model, None):
                 after = dict(iter_merged_weights(trainer.model))
             assert all(torch.equal(after[name], base[name]) for name in base)  # the trainer's base is untouched
@@ -95,23 +96,18 @@ def test_a_factor_set_that_does_not_fit_changes_nothing(tiny_setup, tmp_path, wo
         trainer.weights.sync(version=1)
         served = engine.checksum()
         name = "model.layers.1.mlp.down_proj.weight"
-        good, config = factor_set(lora_factors(trainer.model))
+        good = factor_set(lora_factors(trainer.model))
         for broken, why in [
             ({**good, f"{name}.lora_A": torch.zeros(8, 3)}, "do not fit its base weight"),
             ({k: v for k, v in good.items() if k != f"{name}.lora_B"}, "lacks"),
         ]:
             with pytest.raises((EngineError, ValueError), match=why):
-                engine.sync_factors(broken, config, version=2)
+                engine.sync_factors(broken, version=2)
             assert engine.version == 1
             assert engine.checksum() == served
-        unknown = {"format": config["format"], "scales": {"model.nowhere.weight": 1.0}, "fan_in_fan_out": [],
-                   "base": []}  # fmt: skip
+        nowhere = factor_set({"model.nowhere.weight": (torch.zeros(8, 32), torch.zeros(32, 8), 1.0, False)})
         with pytest.raises((EngineError, ValueError), match="the model lacks"):
-            engine.sync_factors(
-                {"model.nowhere.weight.lora_A": torch.zeros(8, 32), "model.nowhere.weight.lora_B": torch.zeros(32, 8)},
-                unknown,
-                version=2,
-            )
+            engine.sync_factors(nowhere, version=2)
         assert engine.version == 1
         assert engine.checksum() == served
         randomize_adapter(trainer.model, 3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorarl.lora_merge import merge_lora
-from lorarl.weight_sync.factors import FORMAT, FactorMerger, Factors, factor_set, narrowed_base, read_factor_set
+from lorarl.weight_sync.factors import FactorMerger, Factors, factor_set, narrowed_base, read_factor_set
 
 
 def layer(out_features: int, in_features: int, rank: int, seed: int, *, bf16_exact: bool) -> tuple:
@@ -23,21 +23,19 @@ def test_a_factor_set_reads_back_as_sent():
     weight, factors = layer(6, 5, 2, 0, bf16_exact=False)
     sibling = torch.randn(3, 5)
     transposed = Factors(factors.lora_A.T.contiguous().T, factors.lora_B, 0.1 + 0.2, True)  # an inexact float
-    tensors, config = factor_set({"a.q.weight": factors, "a.c.weight": transposed},
-                                 {"a.q.weight": weight, "a.k.weight": sibling})  # fmt: skip
-    assert config["format"] == FORMAT
-    assert sorted(config["base"]) == ["a.k.weight", "a.q.weight"]
-    read, base = read_factor_set(tensors, config)
-    assert read["a.c.weight"].scale == 0.1 + 0.2
+    base_weights = {"a.q.weight": weight, "a.k.weight": sibling}
+    tensors = factor_set({"a.q.weight": factors, "a.c.weight": transposed}, base_weights)
+    read, base = read_factor_set(tensors)
+    assert read["a.c.weight"].scale == 0.1 + 0.2  # exactly
     assert read["a.c.weight"].fan_in_fan_out
+    assert not read["a.q.weight"].fan_in_fan_out
     assert read["a.q.weight"].lora_A is factors.lora_A
-    assert base["a.k.weight"] is sibling
+    assert all(base[name] is tensor for name, tensor in base_weights.items())
+    assert base.keys() == base_weights.keys()
     with pytest.raises(ValueError, match=r"lacks \['a.q.weight.lora_B'\]"):
-        read_factor_set({k: v for k, v in tensors.items() if k != "a.q.weight.lora_B"}, config)
-    with pytest.raises(ValueError, match="unexpected \\['stray'\\]"):
-        read_factor_set(tensors | {"stray": sibling}, config)
-    with pytest.raises(ValueError, match="not a factor set"):
-        read_factor_set(tensors, config | {"format": "peft"})
+        read_factor_set({k: v for k, v in tensors.items() if k != "a.q.weight.lora_B"})
+    with pytest.raises(ValueError, match=r"without a scale: \['a.q.weight.lora_A'"):
+        read_factor_set({k: v for k, v in tensors.items() if k != "a.q.weight.lora_scale"})
 
 
 @pytest.mark.parametrize("engine_dtype", [torch.bfloat16, torch.float32])
@@ -73,8 +71,7 @@ def test_what_does_not_fit_is_refused_before_any_merge():
 def test_a_sender_narrows_only_the_base_weights_and_only_where_exact():
     exact, inexact = torch.randn(4, 4).to(torch.bfloat16).float(), torch.randn(4, 4) / 3
     _, factors = layer(4, 4, 2, 0, bf16_exact=True)
-    tensors, config = factor_set({"a.weight": factors}, {"a.weight": exact, "b.weight": inexact})
-    sent = narrowed_base(tensors, config, torch.bfloat16)
+    sent = narrowed_base(factor_set({"a.weight": factors}, {"a.weight": exact, "b.weight": inexact}), torch.bfloat16)
     assert sent["a.weight"].dtype == torch.bfloat16
     assert torch.equal(sent["a.weight"].float(), exact)
     assert sent["b.weight"] is inexact  # not exact in bf16: as it is

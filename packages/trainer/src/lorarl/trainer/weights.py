@@ -49,8 +49,8 @@ class WeightSync:
                 stats = self.engine.sync_adapter(tensors, config, version=version)
         elif mode == "factors" and self.engine is not None:
             factors = lora_factors(self.model)
-            tensors, config = factor_set(factors, None if self.engine_has_base else self.base_weights(factors))
-            stats = self.engine.sync_factors(tensors, config, version=version)
+            tensors = factor_set(factors, None if self.engine_has_base else self.base_weights(factors))
+            stats = self.engine.sync_factors(tensors, version=version)
             self.engine_has_base = True
         elif self.engine is not None:
             stats = self.engine.sync_weights(iter_merged_weights(self.model, dtype=self.dtype), version=version,

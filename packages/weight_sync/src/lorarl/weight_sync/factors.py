@@ -4,8 +4,12 @@ Each version carries, for every adapted layer, `lora_A`, `lora_B`, the scale and
 `r·(in+out)` values per layer instead of `in·out`); the first one also carries the base weights `W0` the factors add
 to, which the engine keeps pristine (`FactorMerger`) and merges out of place, `W = W0 + s·B@A`, with
 `lorarl.lora_merge.merge_lora` — the kernel and rounding of the trainer's merged sync, so the engine ends up with the
-very bits a merged sync would give it, and `W0` never drifts. On the wire a factor set is an adapter transfer:
-tensors named `<weight>.lora_A` / `<weight>.lora_B` / `<weight>` (a base weight), and a JSON config with the scales.
+very bits a merged sync would give it, and `W0` never drifts.
+
+A factor set is named tensors, as full weights are — so every channel that carries weights carries it, checksummed and
+versioned alike (a sync group, CUDA IPC buckets, an in-process handover): for each adapted weight `<weight>.lora_A`,
+`<weight>.lora_B`, `<weight>.lora_scale` (the scale, a 0-d float64: exact) and, for a transposed layout (GPT-2's
+Conv1D, embeddings), `<weight>.lora_fan_in_fan_out` (a 0-d bool); any other name is a base weight.
 
 The merge needs `lorarl-lora-merge` beside the engine (`pip install lorarl-weight-sync[factors]`); this module imports
 it only when a factor set is merged.
@@ -16,8 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-FORMAT = "lorarl-factors/1"
-_SUFFIXES = (".lora_A", ".lora_B")
+_A, _B, _SCALE, _TRANSPOSED = ".lora_A", ".lora_B", ".lora_scale", ".lora_fan_in_fan_out"
 
 
 class Factors(NamedTuple):
@@ -30,41 +33,42 @@ class Factors(NamedTuple):
     fan_in_fan_out: bool
 
 
-def factor_set(
-    factors: Mapping[str, tuple], base: Mapping[str, torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """`(tensors, config)` to send for `factors` (base-weight name -> `(lora_A, lora_B, scale, fan_in_fan_out)`, as
+def factor_set(factors: Mapping[str, tuple], base: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The named tensors to send for `factors` (base-weight name -> `(lora_A, lora_B, scale, fan_in_fan_out)`, as
     `lora_merge.lora_factors` returns them) and, when the engine does not hold them yet, the `base` weights."""
     tensors: dict[str, torch.Tensor] = {}
-    scales, transposed = {}, []
     for name, (lora_A, lora_B, scale, fan_in_fan_out) in factors.items():
-        tensors[name + ".lora_A"], tensors[name + ".lora_B"] = lora_A, lora_B
-        scales[name] = float(scale)
+        tensors[name + _A], tensors[name + _B] = lora_A, lora_B
+        tensors[name + _SCALE] = torch.tensor(float(scale), dtype=torch.float64)
         if fan_in_fan_out:
-            transposed.append(name)
+            tensors[name + _TRANSPOSED] = torch.tensor(True)
     tensors.update(base or {})
-    return tensors, {"format": FORMAT, "scales": scales, "fan_in_fan_out": transposed, "base": list(base or {})}
+    return tensors
 
 
-def read_factor_set(
-    tensors: Mapping[str, torch.Tensor], config: dict
-) -> tuple[dict[str, Factors], dict[str, torch.Tensor]]:
+def read_factor_set(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Factors], dict[str, torch.Tensor]]:
     """`factor_set`'s inverse: `(factors, base)`. Raises `ValueError` naming what does not fit the format."""
-    if config.get("format") != FORMAT:
-        raise ValueError(f"not a factor set: its config's format is {config.get('format')!r}, expected {FORMAT!r}")
-    scales, transposed, base_names = config["scales"], set(config["fan_in_fan_out"]), config["base"]
+    adapted = [name.removesuffix(_SCALE) for name in tensors if name.endswith(_SCALE)]
     factors = {}
-    for name, scale in scales.items():
-        missing = [name + s for s in _SUFFIXES if name + s not in tensors]
+    for name in adapted:
+        missing = [name + s for s in (_A, _B) if name + s not in tensors]
         if missing:
             raise ValueError(f"the factor set lacks {missing}")
-        factors[name] = Factors(tensors[name + ".lora_A"], tensors[name + ".lora_B"], scale, name in transposed)
-    base = {name: tensors[name] for name in base_names if name in tensors}
-    unknown = sorted(set(tensors) - {name + s for name in scales for s in _SUFFIXES} - set(base))
-    if unknown or len(base) != len(base_names):
-        raise ValueError(f"the factor set's tensors do not match its config: unexpected {unknown[:5]}, "
-                         f"base weights missing {sorted(set(base_names) - set(base))[:5]}")  # fmt: skip
-    return factors, base
+        transposed = tensors.get(name + _TRANSPOSED)
+        factors[name] = Factors(tensors[name + _A], tensors[name + _B], float(tensors[name + _SCALE]),
+                                bool(transposed) if transposed is not None else False)  # fmt: skip
+    parts = {name + s for name in adapted for s in (_A, _B, _SCALE, _TRANSPOSED)}
+    strays = [name for name in tensors if name not in parts and name.endswith((_A, _B, _TRANSPOSED))]
+    if strays:
+        raise ValueError(f"the factor set has factors without a scale: {strays[:5]}")
+    return factors, {name: t for name, t in tensors.items() if name not in parts}
+
+
+def narrowed_base(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A factor set with its base weights `narrowed` to the engine's `dtype`: what a sender does before a wire, so
+    that the first set crosses in half the bytes and the engine never holds the wider copy."""
+    _, base = read_factor_set(tensors)
+    return {name: narrowed(t, dtype) if name in base else t for name, t in tensors.items()}
 
 
 class FactorMerger:
@@ -119,13 +123,6 @@ class FactorMerger:
                 out = torch.empty(weight.shape, dtype=self.dtype, device=weight.device)
             yield name, merge_lora(weight, f.lora_A.to(weight.device), f.lora_B.to(weight.device), f.scale, out=out,
                                    fan_in_fan_out=f.fan_in_fan_out, backend=self.backend)  # fmt: skip
-
-
-def narrowed_base(tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A factor set's tensors with its base weights `narrowed` to the engine's `dtype`: what a sender does before a
-    wire, so that the first set crosses in half the bytes and the engine never holds the wider copy."""
-    base = set(config["base"])
-    return {name: narrowed(t, dtype) if name in base else t for name, t in tensors.items()}
 
 
 def narrowed(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -4,7 +4,7 @@
     transfer = VllmWeightTransfer(OfflineClient(llm), channel="gloo", workers=1)   # every worker joins
     transfer.send(iter_merged_weights(model), version=step, manifest=merged_weight_specs(model))
     path = transfer.send_adapter(tensors, peft_config, version=step, directory=d)  # for a LoRARequest
-    transfer.send_factors(*factor_set(lora_factors(model), base), version=step)      # the engine merges them
+    transfer.send_factors(factor_set(lora_factors(model), base), version=step)       # the engine merges them
 
 The receiving side is `vllm_engine.LorarlWeightTransferEngine`, registered with vLLM's `WeightTransferEngineFactory`
 as "lorarl" by `register` — a vLLM general plugin (entry point `vllm.general_plugins`), so every vLLM process knows it.
@@ -157,8 +157,17 @@ class VllmWeightTransfer:
     ) -> SyncStats:
         """Send a version of the full weights; returns once every worker applied it. Raises if any did not — then
         the previous version keeps serving, unless the error says `INCOMPLETE` (it failed while being applied)."""
+        return self._send(named_tensors, version, manifest, "weights")
+
+    def send_factors(self, tensors: Mapping[str, torch.Tensor], *, version: int) -> SyncStats:
+        """Send a factor set (`weight_sync.factors.factor_set`), over any channel as full weights go: the workers
+        merge it into their weights from the base weights they keep (the first set carries them). Applied whole or
+        not at all, as `send`."""
+        return self._send(tensors, version, None, "factors")
+
+    def _send(self, named_tensors, version: int, manifest: Sequence[TensorSpec | tuple] | None, kind: str) -> SyncStats:
         started = time.perf_counter()
-        update = {"version": version, "kind": "weights"}
+        update = {"version": version, "kind": kind}
         if self.channel == "local":
             counted = _Checked(pairs_of(named_tensors), manifest)
             update["handoff"] = hand_off(version, counted)
@@ -181,25 +190,18 @@ class VllmWeightTransfer:
     ) -> tuple[SyncStats, str]:
         """Send a LoRA adapter; the engine's first worker writes it under `directory`. Returns the stats and the
         adapter's directory, for a `vllm.lora.request.LoRARequest` (give each version a request id of its own)."""
+        started = time.perf_counter()
         update = {"version": version, "kind": "adapter", "adapter_dir": str(directory)}
-        return self._send_set(update, tensors, config), str(adapter_path(directory, version))
-
-    def send_factors(self, tensors: Mapping[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        """Send a factor set (`weight_sync.factors.factor_set`): the workers merge it into their weights from the
-        base weights they keep (the first set carries them). Applied whole or not at all, as `send`."""
-        return self._send_set({"version": version, "kind": "factors"}, tensors, config)
-
-    def _send_set(self, update: dict, tensors: Mapping[str, torch.Tensor], config: dict) -> SyncStats:
-        """Tensors with a JSON config (an adapter or a factor set), over a wire or handed over in-process."""
-        started, version = time.perf_counter(), update["version"]
-        if self.channel == "ipc":
-            raise ValueError(f"{update['kind']} updates go over a wire or the 'local' channel, not 'ipc'")
-        if self.channel != "local":
-            return self._update(update, version, lambda: self.sender.send_adapter(tensors, config, version=version))
-        update["handoff"] = hand_off(version, dict(tensors), config)
-        self._update(update, version, None)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return SyncStats(version, len(tensors), nbytes, 0, time.perf_counter() - started)
+        if self.channel == "local":
+            update["handoff"] = hand_off(version, dict(tensors), config)
+            self._update(update, version, None)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            stats = SyncStats(version, len(tensors), nbytes, 0, time.perf_counter() - started)
+        elif self.channel == "ipc":
+            raise ValueError("adapters go over a wire or the 'local' channel, not 'ipc'")
+        else:
+            stats = self._update(update, version, lambda: self.sender.send_adapter(tensors, config, version=version))
+        return stats, str(adapter_path(directory, version))
 
     def _update(self, update: dict, version: int, send) -> SyncStats | None:
         return update_round(self.client, update, version, send, pool=self._rpc, timeout=self.timeout)

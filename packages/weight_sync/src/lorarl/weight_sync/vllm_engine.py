@@ -14,9 +14,10 @@ weights for the length of an update. A failure while applying a complete version
 have, which is a configuration error, not a transient one — leaves the model *incomplete*: the error says so
 (`INCOMPLETE`), and lorarl's drivers refuse to generate until a later version is applied whole.
 
-A factor set (`kind="factors"`, `weight_sync.factors`) is staged the same way, checked against the base weights the
-workers keep (the first set brings them: the adapted weights and their siblings, which vLLM fuses with them), merged
-with lorarl's kernel and loaded through the same layerwise reload: only the layers it names are reloaded.
+A factor set (`kind="factors"`, `weight_sync.factors`: named tensors, over any channel) is staged the same way,
+checked against the base weights the workers keep (the first set brings them: the adapted weights and their siblings,
+which vLLM fuses with them), merged with lorarl's kernel and loaded through the same layerwise reload: only the layers
+it names are reloaded.
 
 Tied embeddings need nothing more: vLLM's layerwise reload processes the tied LM head too (on vLLM's CPU backend the
 head keeps a prepacked GEMM of its own), which the tests check by generating after versions that change the embedding.
@@ -131,11 +132,11 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         if update_info.kind == "adapter":
             self._receive_adapter(update_info)
             return
-        if update_info.kind == "factors":
-            self._merge_factors(update_info)
-            return
         staged = self._stage(update_info)
-        self._apply(staged, update_info.version)
+        if update_info.kind == "factors":
+            self._merge_factors(staged, update_info.version)
+        else:
+            self._apply(staged, update_info.version)
 
     def shutdown(self) -> None:
         """Leave the trainer's channel (its group goes with the receiver)."""
@@ -179,34 +180,27 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
     def _receive_adapter(self, update_info: LorarlUpdateInfo) -> None:
         """A LoRA adapter, written as a peft directory by the engine's first worker (every worker takes part in the
         transfer). The base weights are untouched."""
-        tensors, config = self._receive_set(update_info)
-        if worker_rank() == 0:
-            save_adapter(tensors, config, adapter_path(update_info.adapter_dir, update_info.version))
-
-    def _merge_factors(self, update_info: LorarlUpdateInfo) -> None:
-        """A factor set, checked whole against the base weights kept (changing nothing if it does not fit), merged
-        and loaded. Layers it does not name keep their weights: vLLM's reload puts them back, quietly."""
-        tensors, config = self._receive_set(update_info)
-        factors, base = read_factor_set(tensors, config)
-        self.factors.store(base, share=self.info.channel == "local")  # in the trainer's process: its own tensors
-        self.factors.check(factors)
-        with _quiet("vllm.model_executor.model_loader.reload.layerwise"):  # "Failed to load weights" for each layer
-            self._apply(self.factors.merged(factors), update_info.version)
-
-    def _receive_set(self, update_info: LorarlUpdateInfo) -> tuple[dict[str, torch.Tensor], dict]:
-        """Tensors with a config (an adapter or a factor set), whole and of the announced version."""
         version = update_info.version
         if self.info.channel == "local":
             tensors, config = take_handoff(update_info.handoff, version)
-            return dict(tensors), config
-        if self.info.channel not in WIRE_CHANNELS:
-            raise ValueError(f"{update_info.kind} updates are not sent over the {self.info.channel!r} channel: use "
-                             "'local' or a wire")  # fmt: skip
-        tensors, config, received = self.receiver.receive_adapter()
-        if received != version:
-            raise TransferError(f"the trainer announced {update_info.kind} version {version} but sent version "
-                                f"{received}")  # fmt: skip
-        return tensors, config
+            tensors = dict(tensors)
+        elif self.info.channel in WIRE_CHANNELS:
+            tensors, config, received = self.receiver.receive_adapter()
+            if received != version:
+                raise TransferError(f"the trainer announced adapter version {version} but sent version {received}")
+        else:
+            raise ValueError(f"adapters are not sent over the {self.info.channel!r} channel: use 'local' or a wire")
+        if worker_rank() == 0:
+            save_adapter(tensors, config, adapter_path(update_info.adapter_dir, version))
+
+    def _merge_factors(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """A staged factor set, checked whole against the base weights kept (changing nothing if it does not fit),
+        merged and loaded. Layers it does not name keep their weights: vLLM's reload puts them back, quietly."""
+        factors, base = read_factor_set(dict(staged))
+        self.factors.store(base, share=self.info.channel == "local")  # in the trainer's process: its own tensors
+        self.factors.check(factors)
+        with _quiet("vllm.model_executor.model_loader.reload.layerwise"):  # "Failed to load weights" for each layer
+            self._apply(self.factors.merged(factors), version)
 
 
 def worker_rank() -> int:

@@ -58,7 +58,7 @@ class RolloutEngine(Protocol):
         """A LoRA adapter (peft tensors and config), served unmerged on the weights the engine holds."""
         ...
 
-    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
         """A factor set (`weight_sync.factors`): the engine merges the LoRA factors into its serving weights from
         the pristine base weights it keeps (which the first set carries)."""
         ...

@@ -87,11 +87,11 @@ class HFWorker(Worker):
         self.version = version
         return version
 
-    def serve_factors(self, tensors: dict[str, torch.Tensor], config: dict, version: int, share: bool = False) -> int:
+    def serve_factors(self, tensors: dict[str, torch.Tensor], version: int, share: bool = False) -> int:
         """A factor set merged into the model's own weights from the pristine base weights (those the set adapts,
         kept from the first set; `share`: the trainer's own tensors, in its process). Checked whole first: a set
         that does not fit changes nothing."""
-        factors, base = read_factor_set(tensors, config)
+        factors, base = read_factor_set(tensors)
         params = {
             name.replace(".base_layer", ""): p for name, p in self.model.named_parameters() if "lora_" not in name
         }  # its own weights, also under an adapter served (which unload() keeps)
@@ -129,8 +129,8 @@ class HFWorker(Worker):
         return self.serve_adapter(tensors, config, expected(received, version))
 
     def receive_factors(self, version: int) -> int:
-        tensors, config, received = self.receiver.receive_adapter()
-        return self.serve_factors(tensors, config, expected(received, version))
+        tensors = dict(self.receiver.receive(keep=True))  # the whole set, checked, before any of it is merged
+        return self.serve_factors(tensors, expected(self.receiver.version, version))
 
     def checksum(self) -> str:
         return checksum(self.model.state_dict().items())

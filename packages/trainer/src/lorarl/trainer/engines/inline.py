@@ -36,9 +36,9 @@ class InlineEngine(GeneratesWhenAsked):
         self.version = self.worker.serve_adapter(owned, config, version)
         return SyncStats(version, len(owned), sum(t.nbytes for t in owned.values()), 0, time.perf_counter() - started)
 
-    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
         started = time.perf_counter()
-        self.version = self.worker.serve_factors(tensors, config, version, share=True)  # merged before it returns
+        self.version = self.worker.serve_factors(tensors, version, share=True)  # merged before it returns
         nbytes = sum(t.nbytes for t in tensors.values())
         return SyncStats(version, len(tensors), nbytes, 0, time.perf_counter() - started)
 

@@ -79,10 +79,9 @@ class ProcessEngine(SubmitsInBackground):
         return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
                                                               version=version))  # fmt: skip
 
-    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        tensors = narrowed_base(tensors, config, self.dtype)
-        return self._sync("receive_factors", version, partial(self.sender.send_adapter, tensors, config,
-                                                              version=version))  # fmt: skip
+    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
+        tensors = narrowed_base(tensors, self.dtype)
+        return self._sync("receive_factors", version, partial(self.sender.send, tensors, version=version))
 
     def _sync(self, command: str, version: int, send) -> SyncStats:
         """The worker starts `command` (its end of the transfer of `version`), this side sends; then the worker's

@@ -6,6 +6,7 @@ on this machine or across a cluster (`trainer.ray_address`)."""
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 import torch
 
@@ -86,21 +87,21 @@ class RayEngines(SubmitsInBackground):
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
     ) -> SyncStats:
-        received = [actor.receive.remote(version) for actor in self.actors]
-        stats = self.sender.send(named_tensors, version=version, manifest=manifest)
-        self.version = agreed(self._get(received, "receive"), "version after receive")
-        return stats
+        return self._sync("receive", version, partial(self.sender.send, named_tensors, version=version,
+                                                      manifest=manifest))  # fmt: skip
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        return self._send_set("receive_adapter", tensors, config, version)
+        return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
+                                                              version=version))  # fmt: skip
 
-    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        return self._send_set("receive_factors", narrowed_base(tensors, config, self.dtype), config, version)
+    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
+        tensors = narrowed_base(tensors, self.dtype)
+        return self._sync("receive_factors", version, partial(self.sender.send, tensors, version=version))
 
-    def _send_set(self, command: str, tensors: dict[str, torch.Tensor], config: dict, version: int) -> SyncStats:
-        """Tensors with a config (an adapter or a factor set), received by every replica's `command`."""
+    def _sync(self, command: str, version: int, send) -> SyncStats:
+        """Every replica's `command` (its end of the transfer of `version`) while this side sends."""
         received = [getattr(actor, command).remote(version) for actor in self.actors]
-        stats = self.sender.send_adapter(tensors, config, version=version)
+        stats = send()
         self.version = agreed(self._get(received, command), f"version after {command}")
         return stats
 

@@ -78,12 +78,12 @@ class InlineVllmEngine(GeneratesWhenAsked):
         self.serving.serve_adapter(directory)
         return stats
 
-    def sync_factors(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
         self.sleep_level = 1  # a factor set reloads only the layers it adapts: the others must survive sleep
         if self.asleep:
             self.serving.llm.wake_up()
             self.asleep = False
-        return self.serving.update(lambda: self.transfer.send_factors(tensors, config, version=version), version)
+        return self.serving.update(lambda: self.transfer.send_factors(tensors, version=version), version)
 
     def checksum(self) -> str:
         raise EngineError("vLLM holds its weights fused: no checksum comparable to the trainer's")
