@@ -48,7 +48,32 @@ def sync_sender(group, settings, bucket_bytes: int) -> BucketSender:
     return BucketSender(group, bucket_bytes=bucket_bytes, device=device, timeout=settings.timeout, verify=True)
 
 
-class ProcessEngine(SubmitsInBackground):
+class FedOverGroup:
+    """The syncs of an engine fed over a sync group (`sender`, from the trainer's end): each one the workers'
+    `command` — their end of the transfer — while this side sends (`_sync`, the placement's own)."""
+
+    sender: BucketSender
+    dtype: torch.dtype  # the engine's: a factor set's base weights cross narrowed to it where exact
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
+    ) -> SyncStats:
+        return self._sync("receive", version, partial(self.sender.send, named_tensors, version=version,
+                                                      manifest=manifest))  # fmt: skip
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
+        return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
+                                                              version=version))  # fmt: skip
+
+    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
+        tensors = narrowed_base(tensors, self.dtype)
+        return self._sync("receive_factors", version, partial(self.sender.send, tensors, version=version))
+
+    def _sync(self, command: str, version: int, send: Callable[[], SyncStats]) -> SyncStats:
+        raise NotImplementedError
+
+
+class ProcessEngine(SubmitsInBackground, FedOverGroup):
     def __init__(self, worker_class: type, settings, *, bucket_bytes: int):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -68,20 +93,6 @@ class ProcessEngine(SubmitsInBackground):
     ) -> Callable[[], list[Completion]]:
         self._conn.send(("generate", ([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)))
         return lambda: self._reply("generate")
-
-    def sync_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
-    ) -> SyncStats:
-        return self._sync("receive", version, partial(self.sender.send, named_tensors, version=version,
-                                                      manifest=manifest))  # fmt: skip
-
-    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
-                                                              version=version))  # fmt: skip
-
-    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
-        tensors = narrowed_base(tensors, self.dtype)
-        return self._sync("receive_factors", version, partial(self.sender.send, tensors, version=version))
 
     def _sync(self, command: str, version: int, send) -> SyncStats:
         """The worker starts `command` (its end of the transfer of `version`), this side sends; then the worker's

@@ -5,15 +5,11 @@ on this machine or across a cluster (`trainer.ray_address`)."""
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
-
-import torch
+from collections.abc import Callable, Sequence
 
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground, agreed
-from lorarl.trainer.engines.process import join_sync_group, sync_sender
-from lorarl.weight_sync import SyncStats, TensorSpec, free_port
-from lorarl.weight_sync.factors import narrowed_base
+from lorarl.trainer.engines.process import FedOverGroup, join_sync_group, sync_sender
+from lorarl.weight_sync import SyncStats, free_port
 
 # Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
 # workers run this interpreter instead. Read when Ray is imported (lazily, below); =1 brings the hook back.
@@ -34,7 +30,7 @@ def connect(address: str | None, *, cpus: int) -> bool:
     return True
 
 
-class RayEngines(SubmitsInBackground):
+class RayEngines(SubmitsInBackground, FedOverGroup):
     """The `RolloutEngine` interface over several worker actors."""
 
     def __init__(self, worker_class: type, settings, *, replicas: int, bucket_bytes: int, address: str | None = None):
@@ -83,20 +79,6 @@ class RayEngines(SubmitsInBackground):
             return completions
 
         return wait
-
-    def sync_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
-    ) -> SyncStats:
-        return self._sync("receive", version, partial(self.sender.send, named_tensors, version=version,
-                                                      manifest=manifest))  # fmt: skip
-
-    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
-                                                              version=version))  # fmt: skip
-
-    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
-        tensors = narrowed_base(tensors, self.dtype)
-        return self._sync("receive_factors", version, partial(self.sender.send, tensors, version=version))
 
     def _sync(self, command: str, version: int, send) -> SyncStats:
         """Every replica's `command` (its end of the transfer of `version`) while this side sends."""
