@@ -10,7 +10,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from vllm_cpu_helpers import (
-    TIMEOUT,
     SenderProcess,
     assert_greedy_and_logprobs_match,
     engine_settings,
@@ -26,7 +25,7 @@ from lorarl.trainer.cli import main
 from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
 from lorarl.trainer.engines.vllm_worker import start_llm
 from lorarl.trainer.weights import WeightSync
-from lorarl.weight_sync import TransferError, free_port
+from lorarl.weight_sync import TransferError
 from lorarl.weight_sync.factors import factor_set
 from lorarl.weight_sync.vllm import OfflineClient, update_round
 
@@ -90,9 +89,7 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
     senders = []
 
     def connect() -> SenderProcess:
-        port = free_port()
-        senders.append(SenderProcess(port))
-        client.init_weight_transfer_engine({"channel": "gloo", "port": port, "world_size": 2, "timeout": TIMEOUT})
+        senders.append(SenderProcess.joined_by(client))
         return senders[-1]
 
     def update(sender, version, *, with_base=False, fault=None):

@@ -7,7 +7,6 @@ generate until a version is applied whole."""
 import pytest
 import torch
 from vllm_cpu_helpers import (
-    TIMEOUT,
     SenderProcess,
     assert_greedy_and_logprobs_match,
     greedy,
@@ -17,7 +16,7 @@ from vllm_cpu_helpers import (
 )
 
 from lorarl.trainer.engines.vllm_worker import VllmServing
-from lorarl.weight_sync import TransferError, free_port
+from lorarl.weight_sync import TransferError
 from lorarl.weight_sync.vllm import INCOMPLETE, OfflineClient, VllmWeightTransfer, update_round
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -66,13 +65,8 @@ def test_over_gloo_a_killed_sender_or_a_corrupt_bucket_leaves_the_previous_versi
     senders = []
 
     def connect() -> SenderProcess:
-        port = free_port()
-        sender = SenderProcess(port)
-        senders.append(sender)
-        client.init_weight_transfer_engine(
-            {"channel": "gloo", "port": port, "world_size": 2, "rank_offset": 1, "timeout": TIMEOUT}
-        )
-        return sender
+        senders.append(SenderProcess.joined_by(client))
+        return senders[-1]
 
     def update(sender, version, state, fault=None):
         sender.send(version, state, fault)
@@ -141,10 +135,8 @@ def test_a_transfer_that_announces_another_version_changes_nothing(tmp_path):
     directory = make_model_dir(tmp_path / "m", tie=False)
     llm = start_engine(directory)
     client = OfflineClient(llm)
-    port = free_port()
-    sender = SenderProcess(port)
+    sender = SenderProcess.joined_by(client)
     try:
-        client.init_weight_transfer_engine({"channel": "gloo", "port": port, "world_size": 2, "timeout": TIMEOUT})
         sender.send(7, perturbed(hf_model(directory), 7, embeddings=True))
         with pytest.raises(TransferError, match="announced version 6 but sent version 7"):
             update_round(client, {"version": 6}, 6)

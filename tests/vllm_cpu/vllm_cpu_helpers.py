@@ -13,7 +13,7 @@ from trainer_fixtures import tiny_overrides
 
 from lorarl.trainer import default_task
 from lorarl.trainer.engines.vllm_worker import VllmSettings, start_llm
-from lorarl.weight_sync import BucketSender, create_sync_group
+from lorarl.weight_sync import BucketSender, create_sync_group, free_port
 from lorarl.weight_sync.protocol import CONTROL_BYTES
 
 TIMEOUT = 20.0  # the sync groups' timeout: a dead peer is noticed well within it
@@ -122,6 +122,15 @@ class SenderProcess:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_sender_main, args=(child, port, workers + 1), daemon=True)
         self.process.start()
+
+    @classmethod
+    def joined_by(cls, client) -> "SenderProcess":
+        """A sender whose sync group the engine behind `client` (vLLM's weight-sync calls) joins, as one worker."""
+        port = free_port()
+        sender = cls(port)
+        client.init_weight_transfer_engine({"channel": "gloo", "port": port, "world_size": 2, "rank_offset": 1,
+                                            "timeout": TIMEOUT})  # fmt: skip
+        return sender
 
     def send(self, version: int, tensors: dict[str, torch.Tensor], fault: str | None = None) -> None:
         self.conn.send((version, {k: v.contiguous() for k, v in tensors.items()}, fault))

@@ -77,7 +77,8 @@ class FactorMerger:
     `store` keeps the base weights a factor set brings — each in `dtype` (the engine's) when that holds it exactly
     (a bf16 checkpoint trained in fp32: half the memory, the same bits merged; `narrowed`), else as sent; never
     written to after.
-    `merged` checks a whole factor set against them before any merge, so a set that does not fit changes nothing."""
+    `merged` checks a whole factor set against them when called, before any merge, so a set that does not fit
+    changes nothing."""
 
     def __init__(self, dtype: torch.dtype, *, backend: str = "auto"):
         self.dtype, self.backend = dtype, backend
@@ -90,7 +91,7 @@ class FactorMerger:
             if keep is None or keep(name):
                 self.base[name] = tensor if share else narrowed(tensor, self.dtype)
 
-    def check(self, factors: Mapping[str, Factors]) -> None:
+    def _check(self, factors: Mapping[str, Factors]) -> None:
         """Raise `ValueError` naming the first layer whose factors do not fit its base weight (or that has none)."""
         for name, f in factors.items():
             if name not in self.base:
@@ -107,12 +108,17 @@ class FactorMerger:
         self, factors: Mapping[str, Factors], *, outputs: Mapping[str, torch.Tensor] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every stored base weight in the engine's dtype, in the order stored: `W0 + s·B@A` for those `factors`
-        adapts (the whole set checked first), merged into `outputs[name]` when given (e.g. the engine's own
-        parameter) or a new tensor; `W0` for the others (unadapted parts of a fused engine layer, loaded with it)."""
+        adapts, merged into `outputs[name]` when given (e.g. the engine's own parameter) or a new tensor; `W0` for
+        the others (unadapted parts of a fused engine layer, loaded with it). The whole set is checked here, at the
+        call (raising `ValueError` naming what does not fit); the merges happen as the result is iterated."""
+        self._check(factors)
+        return self._merging(factors, outputs or {})
+
+    def _merging(
+        self, factors: Mapping[str, Factors], outputs: Mapping[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         from lorarl.lora_merge import merge_lora
 
-        self.check(factors)
-        outputs = outputs or {}
         for name, weight in self.base.items():
             f = factors.get(name)
             if f is None:

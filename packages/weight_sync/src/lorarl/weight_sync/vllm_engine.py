@@ -198,9 +198,9 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         merged and loaded. Layers it does not name keep their weights: vLLM's reload puts them back, quietly."""
         factors, base = read_factor_set(dict(staged))
         self.factors.store(base, share=self.info.channel == "local")  # in the trainer's process: its own tensors
-        self.factors.check(factors)
+        merging = self.factors.merged(factors)  # checked here, before the model is touched; merged as it loads
         with _quiet("vllm.model_executor.model_loader.reload.layerwise"):  # "Failed to load weights" for each layer
-            self._apply(self.factors.merged(factors), version)
+            self._apply(merging, version)
 
 
 def worker_rank() -> int:

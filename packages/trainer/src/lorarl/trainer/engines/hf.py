@@ -99,10 +99,10 @@ class HFWorker(Worker):
         if unknown:
             raise ValueError(f"the factor set adapts weights the model lacks: {unknown[:5]}")
         self.factors.store(base, keep=factors.__contains__, share=share)
-        self.factors.check(factors)
-        self.drop_adapter()
+        merging = self.factors.merged(factors, outputs={name: params[name].data for name in factors})  # checked
+        self.drop_adapter()  # the parameters stay the same objects
         with torch.no_grad():
-            for _ in self.factors.merged(factors, outputs={name: params[name].data for name in factors}):
+            for _ in merging:
                 pass
         self.version = version
         return version
