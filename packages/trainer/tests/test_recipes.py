@@ -1,5 +1,5 @@
 """The SmolLM2 recipe's parts that run without the network: its task files (train and validation disjoint) load as
-the trainer reads them, its reward takes the last number, its config is valid."""
+the trainer reads them, its rewards (the last number; the number that ends the response), its config is valid."""
 
 import importlib.util
 from pathlib import Path
@@ -30,3 +30,14 @@ def test_the_task_is_disjoint_and_the_reward_takes_the_last_number(tmp_path):
     assert reward("", "no idea", "68") == 0.0
     config = load_config(RECIPE / "addition.yaml", presets=PRESETS)
     assert config.model.gguf_file == fetch.GGUF
+
+
+def test_the_answer_must_end_the_response():
+    """`number_at_end`: what the benchmark's runs showed the policy drifting into after the answer — the turn cut off
+    at max_tokens, tokens in place of the end of the turn — scores 0 (the answers here, from the runs' checkpoints)."""
+    reward = load_reward(f"{RECIPE / 'reward.py'}:number_at_end")
+    for right in ("68", "23 + 45 = 68", "23 + 45 = 68.", "The sum is 1,068. ", "68\n"):
+        assert reward("", right, right.replace(",", "").rstrip(". \n").split()[-1]) == 1.0, right
+    for wrong in ("23 + 45 = 68.\n\nThe answer is", "23 + 45 = 68 Worksheeton", "58 + 44 = 63%||58%||44", "168", "-68",
+                  "23 + 45 = 78", "no idea"):  # fmt: skip
+        assert reward("", wrong, "68") == 0.0, wrong
