@@ -7,7 +7,7 @@ from the recipe (`packages/trainer/recipes/smollm2/addition.yaml`):
 - the same training prompts in the same order: lorarl's seeded prompt order for the run's seed, handed to TRL as its
   dataset with its shuffling off (`shuffle_dataset=False`); the tokenizer's chat template on both (TRL: conversational
   prompts), 8 prompts per step, 8 responses each (`num_generations`), at most 16 new tokens, temperature 1, top-p 1;
-- the recipe's reward (`last_number`: the last number in the response is the sum);
+- the recipe's reward function (`addition.yaml`'s, or `--reward NAME` from the recipe's `reward.py`);
 - LoRA rank 16, alpha 32 on every linear layer of the decoder, fp32 base and adapter;
 - AdamW, lr 5e-4 constant, no warmup, no weight decay, grad clip 1.0; GRPO advantages (group mean and std), clip 0.2,
   token-mean loss (TRL's `dapo`), one optimizer step per batch, no KL term (`beta=0`, lorarl's `kl_coef=0`).
@@ -63,15 +63,25 @@ def recipe_module(name: str):
     return module
 
 
-def check_recipe() -> None:
-    """The constants above are the recipe's: a changed recipe must change this benchmark's TRL side too."""
+def check_recipe() -> str:
+    """The settings the TRL side mirrors are the recipe's (a changed recipe must change the TRL side too). Returns the
+    name of the recipe's reward function (in its `reward.py`): both sides train with it."""
     from lorarl.trainer.config import load_config
 
     c = load_config(RECIPE / "addition.yaml")
-    recipe = (c.rollout.n, c.rollout.max_tokens, c.data.batch_size, c.actor.lr, c.model.lora.rank, c.model.lora.alpha,
-              c.trainer.steps)  # fmt: skip
-    if recipe != (GENERATIONS, MAX_TOKENS, PROMPTS, LR, RANK, ALPHA, STEPS):
+    a, al = c.actor, c.algorithm
+    recipe = (c.rollout.n, c.rollout.max_tokens, c.data.batch_size, a.lr, c.model.lora.rank, c.model.lora.alpha,
+              c.trainer.steps, a.lr_schedule, a.warmup_steps, a.weight_decay, a.grad_clip, al.kl_coef,
+              al.adv_estimator, al.loss_agg_mode, al.clip_low, al.clip_high, c.rollout.temperature,
+              c.rollout.top_p)  # fmt: skip
+    mirrored = (GENERATIONS, MAX_TOKENS, PROMPTS, LR, RANK, ALPHA, STEPS, "constant", 0, 0.0, 1.0, 0.0, "grpo",
+                "token-mean", 0.2, 0.2, 1.0, 1.0)  # fmt: skip
+    if recipe != mirrored:
         raise SystemExit(f"the recipe's settings changed ({recipe}): update learning_vs_trl.py's TRL side")
+    path, name = c.reward.fn.rsplit(":", 1)
+    if Path(path).name != "reward.py":
+        raise SystemExit(f"the recipe's reward {c.reward.fn} is not in its reward.py: update learning_vs_trl.py")
+    return name
 
 
 def prepare(data_dir: Path) -> Path:
@@ -124,7 +134,9 @@ class BudgetSpent(Exception):
     pass
 
 
-def run_lorarl(model_dir: Path, data_dir: Path, progress: Progress, seed: int, overrides: list[str]) -> None:
+def run_lorarl(
+    model_dir: Path, data_dir: Path, progress: Progress, seed: int, reward: str, overrides: list[str]
+) -> None:
     from lorarl.trainer.config import load_config
     from lorarl.trainer.loop import Trainer
 
@@ -132,7 +144,7 @@ def run_lorarl(model_dir: Path, data_dir: Path, progress: Progress, seed: int, o
         f"model.path={model_dir}", "model.gguf_file=null", f"data.train_files=[{data_dir / 'train.jsonl'}]",
         f"data.val_files=[{data_dir / 'val.jsonl'}]", "algorithm.kl_coef=0", "trainer.eval_every=0",
         "trainer.save_every=0", f"trainer.output_dir={progress.output / 'run'}", f"trainer.seed={seed}",
-        *overrides,
+        f"reward.fn={RECIPE / 'reward.py'}:{reward}", *overrides,
     ])  # fmt: skip
     trainer = Trainer(config)
     train_step = trainer.train_step
@@ -159,20 +171,20 @@ def trl_prompt_order(rows: list[dict], seed: int) -> list[dict]:
     return [rows[i] for _ in range(STEPS) for i in sampler.next_batch()]
 
 
-def run_trl(model_dir: Path, data_dir: Path, progress: Progress, seed: int, overrides: list[str]) -> None:
+def run_trl(model_dir: Path, data_dir: Path, progress: Progress, seed: int, reward: str, overrides: list[str]) -> None:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    last_number = recipe_module("reward").last_number
+    score = getattr(recipe_module("reward"), reward)
     rows = trl_prompt_order(read_jsonl(data_dir / "train.jsonl"), seed)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                                  for r in rows])  # fmt: skip
 
-    def reward(prompts, completions, answer, **_) -> list[float]:
-        return [last_number(p, c[0]["content"], a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+    def rewards(prompts, completions, answer, **_) -> list[float]:
+        return [score(p, c[0]["content"], a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
     class Clock(TrainerCallback):  # a step's metrics are logged at its end (logging_steps=1)
         def on_log(self, args, state, control, logs=None, model=None, **kwargs):
@@ -193,7 +205,7 @@ def run_trl(model_dir: Path, data_dir: Path, progress: Progress, seed: int, over
         seed=seed,
     )  # fmt: skip
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=reward, args=args,
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=rewards, args=args,
         train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_dir),
         peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0),
         callbacks=[Clock()],
@@ -244,7 +256,7 @@ def run_side(side: str, seed: int, model_dir: Path, data_dir: Path, workdir: Pat
     budget = float("inf") if side == "lorarl" and args.lorarl_to_recipe_end else args.budget_s
     command = [sys.executable, __file__, "--worker", side, "--seed", str(seed), "--model", str(model_dir),
                "--data", str(data_dir), "--output", str(output), "--budget-s", str(budget),
-               "--save-every", str(save_every), "--launched", repr(time.time())]  # fmt: skip
+               "--save-every", str(save_every), "--reward", args.reward, "--launched", repr(time.time())]  # fmt: skip
     for override in args.lorarl_override if side == "lorarl" else ():
         command += ["--lorarl-override", override]
     peak = run_measured(command, f"{side} (seed {seed})")
@@ -394,11 +406,12 @@ def main() -> None:
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--save-every", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--launched", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--reward", help="the recipe's reward function both sides train with (default: the recipe's)")
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         progress = Progress(Path(args.output), args.launched, args.budget_s, args.save_every)
-        RUNNERS[args.worker](Path(args.model), Path(args.data), progress, args.seed, args.lorarl_override)
+        RUNNERS[args.worker](Path(args.model), Path(args.data), progress, args.seed, args.reward, args.lorarl_override)
         return
     if args.evaluate:
         problems = read_jsonl(Path(args.data) / "val.jsonl")[: args.val_problems]
@@ -420,7 +433,11 @@ def main() -> None:
     sides = args.sides.split(",")
     if not set(sides) <= set(SIDES):
         parser.error(f"--sides: expected names from {SIDES}, got {args.sides!r}")
-    check_recipe()
+    if args.lorarl_override and "trl" in sides:
+        parser.error("--lorarl-override makes a variant of the recipe for lorarl alone: add --sides lorarl")
+    args.reward = args.reward or check_recipe()
+    if not callable(getattr(recipe_module("reward"), args.reward, None)):
+        parser.error(f"--reward: no function {args.reward!r} in {RECIPE / 'reward.py'}")
     data_dir = Path(args.data)
     model_dir = prepare(data_dir)
     out = Path(args.out) if args.out else None

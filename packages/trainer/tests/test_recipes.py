@@ -30,6 +30,7 @@ def test_the_task_is_disjoint_and_the_reward_takes_the_last_number(tmp_path):
     assert reward("", "no idea", "68") == 0.0
     config = load_config(RECIPE / "addition.yaml", presets=PRESETS)
     assert config.model.gguf_file == fetch.GGUF
+    assert config.reward.fn.endswith("reward.py:number_at_end")  # the recipe trains with the stricter reward
 
 
 def test_the_answer_must_end_the_response():
