@@ -142,7 +142,7 @@ def run_lorarl(
 
     config = load_config(RECIPE / "addition.yaml", overrides=[
         f"model.path={model_dir}", "model.gguf_file=null", f"data.train_files=[{data_dir / 'train.jsonl'}]",
-        f"data.val_files=[{data_dir / 'val.jsonl'}]", "algorithm.kl_coef=0", "trainer.eval_every=0",
+        f"data.val_files=[{data_dir / 'val.jsonl'}]", "trainer.eval_every=0",
         "trainer.save_every=0", f"trainer.output_dir={progress.output / 'run'}", f"trainer.seed={seed}",
         f"reward.fn={RECIPE / 'reward.py'}:{reward}", *overrides,
     ])  # fmt: skip
@@ -435,7 +435,8 @@ def main() -> None:
         parser.error(f"--sides: expected names from {SIDES}, got {args.sides!r}")
     if args.lorarl_override and "trl" in sides:
         parser.error("--lorarl-override makes a variant of the recipe for lorarl alone: add --sides lorarl")
-    args.reward = args.reward or check_recipe()
+    recipe_reward = check_recipe()  # also when --reward names another: the mirrored settings are checked every run
+    args.reward = args.reward or recipe_reward
     if not callable(getattr(recipe_module("reward"), args.reward, None)):
         parser.error(f"--reward: no function {args.reward!r} in {RECIPE / 'reward.py'}")
     data_dir = Path(args.data)

@@ -37,8 +37,9 @@ def test_the_answer_must_end_the_response():
     """`number_at_end`: what the benchmark's runs showed the policy drifting into after the answer — the turn cut off
     at max_tokens, tokens in place of the end of the turn — scores 0 (the answers here, from the runs' checkpoints)."""
     reward = load_reward(f"{RECIPE / 'reward.py'}:number_at_end")
-    for right in ("68", "23 + 45 = 68", "23 + 45 = 68.", "The sum is 1,068. ", "68\n"):
-        assert reward("", right, right.replace(",", "").rstrip(". \n").split()[-1]) == 1.0, right
+    for right, answer in (("68", "68"), ("23 + 45 = 68", "68"), ("23 + 45 = 68.", "68"), ("The sum is 1,068. ", "1068"),
+                          ("68\n", "68")):  # fmt: skip
+        assert reward("", right, answer) == 1.0, right
     for wrong in ("23 + 45 = 68.\n\nThe answer is", "23 + 45 = 68 Worksheeton", "58 + 44 = 63%||58%||44", "168", "-68",
                   "23 + 45 = 78", "no idea"):  # fmt: skip
         assert reward("", wrong, "68") == 0.0, wrong
