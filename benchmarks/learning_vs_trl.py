@@ -72,9 +72,9 @@ def check_recipe() -> str:
     a, al = c.actor, c.algorithm
     recipe = (c.rollout.n, c.rollout.max_tokens, c.data.batch_size, a.lr, c.model.lora.rank, c.model.lora.alpha,
               c.trainer.steps, a.lr_schedule, a.warmup_steps, a.weight_decay, a.grad_clip, al.kl_coef,
-              al.adv_estimator, al.loss_agg_mode, al.clip_low, al.clip_high, c.rollout.temperature,
+              al.adv_estimator, al.grpo.norm_std, al.loss_agg_mode, al.clip_low, al.clip_high, c.rollout.temperature,
               c.rollout.top_p)  # fmt: skip
-    mirrored = (GENERATIONS, MAX_TOKENS, PROMPTS, LR, RANK, ALPHA, STEPS, "constant", 0, 0.0, 1.0, 0.0, "grpo",
+    mirrored = (GENERATIONS, MAX_TOKENS, PROMPTS, LR, RANK, ALPHA, STEPS, "constant", 0, 0.0, 1.0, 0.0, "grpo", True,
                 "token-mean", 0.2, 0.2, 1.0, 1.0)  # fmt: skip
     if recipe != mirrored:
         raise SystemExit(f"the recipe's settings changed ({recipe}): update learning_vs_trl.py's TRL side")

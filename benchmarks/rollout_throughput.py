@@ -4,7 +4,7 @@ Each case starts each engine in a process of its own — interleaved hf, vllm, h
 inline (`rollout.worker=inline`: vLLM's `InlineVllmEngine`, the HF engine's decode loop), on the same model, the same
 prompts of the embedded task, the case's prompts per step × 8 responses × its max new tokens, sampled at temperature
 1 in the engine dtype given (float32 by default: what a CPU without AVX512-BF16 computes fast), vLLM with the KV cache
-the trainer would give it (`rollout.kv_cache_gb` unset: the case's sequences at the trainer's default
+the trainer would give it (`rollout.vllm.kv_cache_gb` unset: the case's sequences at the trainer's default
 `data.max_prompt_tokens`, 512, plus its max new tokens). After one warm-up
 batch it times `--batches` batches. Per case it prints one JSON object: `hf_s_per_batch`, `vllm_s_per_batch` (medians
 over the runs), `speedup` (HF's time / vLLM's: > 1 is vLLM faster), the tokens generated per second on each side, and
@@ -34,6 +34,7 @@ def run_engine(engine: str, case_name: str, model: Path, batches: int, dtype: st
     import torch
 
     from lorarl.trainer import data
+    from lorarl.trainer.engines import SamplingParams
     from lorarl.trainer.models import load_tokenizer
 
     case = CASES[case_name]
@@ -60,8 +61,7 @@ def run_engine(engine: str, case_name: str, model: Path, batches: int, dtype: st
     for index in range(batches + 1):
         batch = prompts[index * case.prompts : (index + 1) * case.prompts]
         started = time.perf_counter()
-        completions = runner.generate(batch, n=GENERATIONS, temperature=1.0, top_p=1.0, max_tokens=case.max_tokens,
-                                      seed=index)  # fmt: skip
+        completions = runner.generate(batch, SamplingParams(GENERATIONS, max_tokens=case.max_tokens, seed=index))
         if index:  # the first batch warms up
             seconds.append(time.perf_counter() - started)
             tokens.append(sum(len(c.token_ids) for c in completions))

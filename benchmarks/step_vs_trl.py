@@ -140,7 +140,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         "algorithm.kl_coef=0", f"trainer.steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={output}",
         f"trainer.seed={SEED}", f"trainer.device={settings.device}",
         f"actor.gradient_checkpointing={settings.gradient_checkpointing}",
-        f"rollout.engine={settings.rollout_engine}", f"rollout.kv_cache_gb={VLLM_KV_CACHE_GB}",
+        f"rollout.engine={settings.rollout_engine}", f"rollout.vllm.kv_cache_gb={VLLM_KV_CACHE_GB}",
     ])  # fmt: skip
     trainer = Trainer(config)
     ends, rewards = [], []

@@ -53,6 +53,7 @@ def run_mode(engine: str, mode: str, case: Case, model: Path, output: Path, sync
     import torch
 
     from lorarl.trainer.config import load_config
+    from lorarl.trainer.engines import SamplingParams
     from lorarl.trainer.loop import Trainer
 
     trainer = Trainer(load_config(overrides=[
@@ -90,8 +91,8 @@ def run_mode(engine: str, mode: str, case: Case, model: Path, output: Path, sync
     for index in range(batches + 1):
         batch = prompts[index * case.prompts : (index + 1) * case.prompts]
         started = time.perf_counter()
-        completions = trainer.engine.generate(batch, n=GENERATIONS, temperature=1.0, top_p=1.0,
-                                              max_tokens=case.max_tokens, seed=index)  # fmt: skip
+        sampling = SamplingParams(GENERATIONS, max_tokens=case.max_tokens, seed=index)
+        completions = trainer.engine.generate(batch, sampling)
         if index:  # the first batch warms up
             decode_s.append(time.perf_counter() - started)
             tokens.append(sum(len(c.token_ids) for c in completions))

@@ -1,33 +1,27 @@
 // CPU kernel of lorarl::merge_lora: out = weight + scale * left @ right with fp32 accumulation and one rounding, no
-// full-size temporary, parallel over blocks of rows (at::parallel_for).
-//
-// Why it is shaped like this (measured on a 2-core AVX-512 Xeon where no point says Zen 4; see lora_merge/README.md):
+// full-size temporary, parallel over blocks of rows (at::parallel_for). Each choice below was kept because it measured
+// faster (lora_merge/README.md has the benchmark and its current figures); the reasons:
 // - A micro-tile is 6 rows x 64 columns: 24 fp32 accumulators in vector registers (of 32). A step of the rank loop
 //   loads 4 vectors of the right factor and broadcasts 6 values of `left` for 24 FMAs. The loop starts with a
 //   product, so no register is zeroed; the W tile is loaded before any store to out (rows are often 4 KiB multiples
 //   apart, and a load after a store to the same address modulo 4 KiB stalls on a false dependency).
 // - The right factor is packed once per call into 64-column panels ([r][64] contiguous), multiplied by scale there.
 //   For 16-bit outputs the accumulators then start from W itself (acc = w + left @ (scale * right)), which saves
-//   the epilogue's FMA and measured 7-9% faster at rank 32; the extra roundings (one per scaled factor, and the
-//   accumulation on top of W) stay within r + 2 fp32 epsilons of the terms, far below an ulp of bf16/fp16. fp32
-//   outputs add W after the rank loop, so their error does not grow with |W|.
+//   the epilogue's FMA; the extra roundings (one per scaled factor, and the accumulation on top of W) stay within
+//   r + 2 fp32 epsilons of the terms, far below an ulp of bf16/fp16. fp32 outputs add W after the rank loop, so their
+//   error does not grow with |W|.
 // - A work item is a block of two micro-tiles (12 rows) swept across a chunk of panels: both tiles reuse each panel
 //   from L1, the second two panels behind the first (rows 4 KiB multiples apart would otherwise crowd the same L1
-//   sets: 4-12% faster at rank 8 on 4096- and 8192-column layers, measured on a 2-core Zen 4). W and out are walked
-//   as 12 sequential row streams the hardware prefetcher follows, helped by a software prefetch of the W lines of
-//   the tile that comes next on the same rows (the next panel, or the next block's first one), one line in each of
-//   the rank loop's first steps (a burst of them at the tile's start measured 3-7% slower). The last tile of each
-//   step also prefetches the panel the first tile takes next from L2, one panel row per rank step, so that tile does
-//   not wait for L2 (2-4% at rank 32; panels up to 16 KiB, rank 64: at rank 128 two of them crowd W out of L1, 2%
-//   slower; and from 4 KiB, rank 16: at rank 8 the prefetches cost 1-2% more than they saved on a Zen 4). Taller
-//   blocks (more streams than the prefetcher tracks) measured slower, and single-tile blocks stream each panel from
-//   L2 twice as often.
+//   sets). W and out are walked as 12 sequential row streams the hardware prefetcher follows, helped by a software
+//   prefetch of the W lines of the tile that comes next on the same rows (the next panel, or the next block's first
+//   one), one line in each of the rank loop's first steps rather than a burst at the tile's start. The last tile of
+//   each step also prefetches the panel the first tile takes next from L2, one panel row per rank step, for panels
+//   of 4 to 16 KiB (ranks 16 to 64: larger ones crowd W out of L1, smaller ones cost more than they save). Taller
+//   blocks give more streams than the prefetcher tracks, and single-tile blocks stream each panel from L2 twice as
+//   often.
 // - Each thread sweeps all of its blocks across one column chunk before the next: the chunk's packed factor (half of
 //   L2, at most 512 KiB) stays in L2, where sweeping whole rows re-read the entire packed factor for every block,
-//   from L3 once it outgrew L2 (r x n x 4 bytes: 5.6 MB at rank 128 and n = 11008). Measured 1.3x faster at rank
-//   128, and the next-tile prefetch 1.25x on narrow layers (n = 256), where every block began with a cold tile.
-//   512 KiB measured best on a Xeon with 2 MiB of L2 (against 128 KiB to 1 MiB); on a Zen 4 with 1 MiB, half of it
-//   measured 3-6% faster than a quarter at rank 8 (fewer chunks: each row is walked as fewer, longer streams).
+//   from L3 once it outgrew L2 (r x n x 4 bytes: 5.6 MB at rank 128 and n = 11008).
 // - Outputs of at least kStreamBytes are written with non-temporal stores (not in place: see stream_output): lines
 //   that are overwritten whole are not read first (a third of a plain merge's memory traffic), and the caches are
 //   not flushed by a tensor that is handed on, not read back here.
@@ -36,16 +30,13 @@
 //   those that have any are rounded again by the exact integer path (one branch per tile, not per pair).
 // - bf16 factors of an even rank (adapters kept in bf16) are multiplied as pairs of ranks by AVX512-BF16's vdpbf16ps:
 //   products of bf16 are exact in fp32, so only the order of the fp32 sums differs, at twice the multiply-adds per
-//   instruction; the panel then holds the factor unscaled and the tile scales its sums. 4096 x 4096 bf16 W on a
-//   2-core Zen 4: 1.2x faster at rank 16, 1.75x at rank 32 than the same factors converted to fp32. The instruction
-//   counts denormal factors and sums (below 1.2e-38) as zero: far beneath an ulp of any normal weight.
+//   instruction; the panel then holds the factor unscaled and the tile scales its sums. The instruction counts
+//   denormal factors and sums (below 1.2e-38) as zero: far beneath an ulp of any normal weight.
 // Built with -march=native on the machine that runs it. Without AVX-512 (AVX2: 16 registers of 8 floats) a micro-tile
-// is merged as four 6 x 16 register tiles (12 accumulators each; one 6 x 64 tile spilled its 48 half-registers, 10x
-// slower), so blocks, panels, chunks and prefetches stay as above, and stores stream as above (16-bit outputs through
-// an L1 staging tile: see merge_tile). bf16 is widened, rounded and packed with AVX2 intrinsics, bf16 W into bf16 in
-// paired columns (see kPairedColumns). On a 2-core Zen 3, 4096 x 4096 at rank 8, interleaved A/B against 6 x 16
-// micro-tiles with regular stores: bf16 W 1.2-1.4x, fp32 W 1.7x faster; paired columns and a NaN check by one sum
-// per tile then 1.13x more for bf16 at rank 8, 1.05-1.1x at ranks 16-32.
+// is merged as four 6 x 16 register tiles (12 accumulators each: one 6 x 64 tile would spill), so blocks, panels,
+// chunks and prefetches stay as above, and stores stream as above (16-bit outputs through an L1 staging tile: see
+// merge_tile). bf16 is widened, rounded and packed with AVX2 intrinsics, bf16 W into bf16 in paired columns (see
+// kPairedColumns).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -245,8 +236,7 @@ inline __m512 as_m512(const vfloat& v) {
 
 // Returns v unchanged, hidden from the optimiser: address arithmetic on the result is done where it is used. Without
 // it GCC 12 computed the prefetch and store addresses of a tile (and those of the rare denormal path) at the tile's
-// start and spilled ~20 of them to the stack across the rank loop: stores that queue behind the non-temporal ones
-// (1.5-2.5% at rank 8 on a Zen 4, paired A/B runs).
+// start and spilled ~20 of them to the stack across the rank loop: stores that queue behind the non-temporal ones.
 template <typename T>
 inline T opaque(T v) {
   asm volatile("" : "+r"(v));
@@ -395,7 +385,7 @@ inline vfloat load_w(const TW* row, int64_t v) {
 }
 
 // A micro-tile of several register tiles (AVX2) calls them: inlined, GCC 12 shared the loads of `left` between them
-// and kept them and the rounding constants on the stack (1.03-1.1x slower for 16-bit W, interleaved A/B on a Zen 3).
+// and kept them and the rounding constants on the stack, which was slower.
 #if defined(__AVX512F__)
 #define LORARL_REGISTER_TILE __attribute__((always_inline)) inline
 #else
@@ -493,9 +483,8 @@ __attribute__((always_inline)) inline void merge_register_tiles(const TW* w, TO*
 
 // One R x kCols micro-tile (see merge_register_tile), a register tile at a time. A streamed output whose register
 // tile rows are shorter than a cache line (AVX2's 16 bf16 or fp16 columns: half a line) is staged in L1 and streamed
-// out in whole lines: non-temporal stores of half lines, their other halves written a register tile later, measured
-// 1.45x slower than regular stores (4096 x 4096 bf16 on a Zen 3), and 5x in 6 x 16 micro-tiles. Not inlined: GCC 12
-// inlined it into the skewed block loop and spilled the accumulators (1.25x slower).
+// out in whole lines: non-temporal stores of half lines, their other halves written a register tile later, are far
+// slower than regular stores. Not inlined: GCC 12 inlined it into the skewed block loop and spilled the accumulators.
 template <int64_t R, bool kStream, bool kPairs, typename TW, typename TO>
 __attribute__((noinline)) void merge_tile(const TW* w, TO* out, int64_t ld, const float* left, int64_t r,
                                           const float* panel, const TW* next, const float* next_panel, float scale) {
@@ -587,9 +576,8 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
   // half, as vdpbf16ps pairs them).
   const int64_t r = kPairs ? rank / 2 : rank;
   // left [m, r] -> [m / kRows][r][kRows] (the last tile's missing rows zero): a tile's rank step reads its values
-  // from one place, and the tile needs one pointer to them instead of one per row (fewer registers spilled: 1.05x
-  // faster for 16-bit W at ranks 8 and 32, 1.25x for fp32 W at rank 8 on a 2-core Zen 3's AVX2, interleaved A/B).
-  // Copied as bits: with kPairs they are pairs of bf16.
+  // from one place, and the tile needs one pointer to them instead of one per row (fewer registers spilled, which
+  // matters most with AVX2's 16 registers). Copied as bits: with kPairs they are pairs of bf16.
   const int64_t row_tiles = (m + kRows - 1) / kRows;
   const at::Tensor left_storage = at::empty({row_tiles * r * kRows}, at::kFloat);
   uint32_t* const left_packed = static_cast<uint32_t*>(left_storage.mutable_data_ptr());
@@ -606,9 +594,8 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
   const float* const tile_left = static_cast<const float*>(left_storage.const_data_ptr());
   // right [rank, n] -> panels [n / kCols][r][kCols]: scaled (fp32), or pairs of rows interleaved (kPairs: unscaled,
   // the tiles scale their sums); each micro-tile then reads one contiguous r x kCols block. Left uninitialised until
-  // packed (zero-filling it first cost 0.6-0.7% of a 4096 x 4096 rank-32 bf16 merge), and 64-byte aligned by torch's
-  // allocator, so no panel vector straddles two cache lines (`new float[]` is only 16-byte aligned: 1.01-1.05x at
-  // rank 8 in the benchmark's setting, between peft merges and GEMMs; neutral back to back).
+  // packed (zero-filling it first is measurable), and 64-byte aligned by torch's allocator, so no panel vector
+  // straddles two cache lines (`new float[]` is only 16-byte aligned).
   const at::Tensor packed_storage = at::empty({panels * r * kCols}, at::kFloat);
   float* const packed = packed_storage.mutable_data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -676,8 +663,7 @@ void merge_cpu(const TW* w, TO* out, int64_t m, int64_t n, const Factors& factor
 // Non-temporal stores pay off for outputs larger than the caches, and need every vector store aligned to its size.
 // Only x86 builds with AVX2 use them, so only those compile the streaming variants (halves the build for others).
 // Not in place (out is weight): a tile's lines were just read into the caches, where a regular store hits, while a
-// non-temporal store to a cached line is slow (in-place merges of 4096 x 4096 at rank 8 on a 2-core Zen 4 took
-// 1.68x as long for bf16 and 1.45x for fp32, interleaved A/B).
+// non-temporal store to a cached line is slow (it evicts the line first).
 #if defined(__AVX2__)
 constexpr bool kStreamingBuilt = true;
 #else

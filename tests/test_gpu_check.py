@@ -1,4 +1,4 @@
-"""`benchmarks/gpu_check.py` in its CPU mode, run as the README tells a GPU machine to run it (python, PYTHONPATH on
+"""`scripts/gpu_check.py` in its CPU mode, run as the README tells a GPU machine to run it (python, PYTHONPATH on
 the packages' sources, no uv) in an environment stripped to what such a machine has (`bare_gpu_machine`) plus the
 vendored pure-Python dependencies: every check passes or says why it skipped, and a failing check hides none of the
 others."""
@@ -19,7 +19,7 @@ BARE = os.pathsep.join([*SOURCES, str(ROOT / "tests" / "bare_gpu_machine")])
 
 def gpu_check(out: Path, *args: str, pythonpath: str = BARE) -> tuple[subprocess.CompletedProcess, dict]:
     env = os.environ | {"PYTHONPATH": pythonpath}
-    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(out), *args], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(out), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=540)  # fmt: skip
     return done, json.loads((out / "gpu_check.json").read_text())
 
@@ -28,7 +28,7 @@ def gpu_check(out: Path, *args: str, pythonpath: str = BARE) -> tuple[subprocess
 def vendor(tmp_path_factory) -> Path:
     """The vendored dependencies, packed from this environment (as before a GPU session)."""
     directory = tmp_path_factory.mktemp("vendor")
-    command = [sys.executable, "benchmarks/gpu_check.py", "--pack-vendor", "--vendor", str(directory)]
+    command = [sys.executable, "scripts/gpu_check.py", "--pack-vendor", "--vendor", str(directory)]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=60)
     return directory
 

@@ -42,15 +42,15 @@ def test_trl_gets_the_prompts_lorarl_draws_in_its_order(bench, tmp_path):
                                     "trainer.seed=7"])  # fmt: skip
     trainer = Trainer(config)
     drawn = []
-    next_batch = trainer.rollouts.sampler.next_batch
+    next_batch = trainer.sampler.next_batch
 
     def recorded() -> list[int]:
         drawn.extend(batch := next_batch())
         return batch
 
-    trainer.rollouts.sampler.next_batch = recorded
+    trainer.sampler.next_batch = recorded
     trainer.run()
-    prompts = [trainer.rollouts.examples[i].prompt_ids for i in drawn[: 3 * bench.PROMPTS]]
+    prompts = [trainer.train_set[i].prompt_ids for i in drawn[: 3 * bench.PROMPTS]]
     expected = bench.trl_prompt_order(rows, seed=7)[: 3 * bench.PROMPTS]
     assert [trainer.tokenizer.decode(p) for p in prompts] == [r["prompt"] for r in expected]
     assert len(bench.trl_prompt_order(rows, seed=7)) == bench.STEPS * bench.PROMPTS  # batches span epochs

@@ -57,9 +57,8 @@ def test_factor_sets_serve_bit_for_bit_what_the_merged_weights_serve(tmp_path, t
     settings = engine_settings(model_dir)
     engine = InlineVllmEngine(start_llm(settings), settings, bucket_bytes=1 << 20)
     model = adapted(model_dir, targets)
-    sync = WeightSync(model, mode="factors", dtype=torch.float32, dp=None, version=0)
-    sync.engine = engine
     try:
+        sync = WeightSync(model, engine, mode="factors", dtype=torch.float32, dp=None, version=0)
         for version in (1, 2, 3):
             train_a_step(model, version)
             stats = sync.sync(version=version)
@@ -85,7 +84,9 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
     llm = start_engine(model_dir)
     client = OfflineClient(llm)
     model = adapted(model_dir, "all-linear")
-    base = WeightSync(model, mode="factors", dtype=torch.float32, dp=None, version=0).base_weights(lora_factors(model))
+    base = WeightSync(model, None, mode="factors", dtype=torch.float32, dp=None, version=0).base_weights(
+        lora_factors(model)
+    )
     senders = []
 
     def connect() -> SenderProcess:

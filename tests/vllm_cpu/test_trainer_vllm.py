@@ -15,6 +15,7 @@ from vllm_cpu_helpers import LOGPROB_TOLERANCE, hf_model, token_logprobs, traine
 from lorarl.lora_merge import iter_merged_weights
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
+from lorarl.trainer.engines import SamplingParams
 from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
@@ -52,7 +53,7 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
             trainer.weights.sync(version=version)
             requests.append(engine.serving.lora_request)
             reference = hf_model(trainer_setup["model"], dict(iter_merged_weights(trainer.model)))
-            completions = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+            completions = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=6))
             for prompt, c in zip(prompts, completions, strict=True):
                 expected, below_best = token_logprobs(reference, list(prompt), list(c.token_ids))
                 assert (below_best <= 1e-4).all()

@@ -15,11 +15,13 @@ from vllm_cpu_helpers import (
     start_engine,
 )
 
+from lorarl.trainer.engines import SamplingParams
 from lorarl.trainer.engines.vllm_worker import VllmServing
 from lorarl.weight_sync import TransferError
 from lorarl.weight_sync.vllm import INCOMPLETE, OfflineClient, VllmWeightTransfer, update_round
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+GREEDY_4 = SamplingParams(n=1, temperature=0.0, max_tokens=4)
 
 
 def perturbed(model, seed: int, *, embeddings: bool) -> dict[str, torch.Tensor]:
@@ -121,11 +123,11 @@ def test_a_version_that_fails_while_applied_makes_the_engine_refuse_until_one_ap
         with pytest.raises(RuntimeError, match=INCOMPLETE):
             serving.update(lambda: transfer.send(bad, version=2), 2)
         with pytest.raises(Exception, match="refuses to generate"):
-            serving.generate(PROMPTS, 1, 0.0, 1.0, 4, 0)
+            serving.generate(PROMPTS, GREEDY_4)
         assert serving.version == 1
         v3 = perturbed(base, 3, embeddings=True)
         serving.update(lambda: transfer.send(v3, version=3), 3)
-        assert {c.version for c in serving.generate(PROMPTS, 1, 0.0, 1.0, 4, 0)} == {3}
+        assert {c.version for c in serving.generate(PROMPTS, GREEDY_4)} == {3}
         assert_greedy_and_logprobs_match(llm, hf_model(directory, v3), PROMPTS, version="3")
     finally:
         serving.close()

@@ -9,6 +9,7 @@ import torch
 import vllm
 
 from lorarl.trainer import default_task
+from lorarl.trainer.engines import SamplingParams
 from lorarl.trainer.engines.base import EngineError
 from lorarl.trainer.engines.vllm_worker import VllmSettings, engine_args, sampling_args, to_completions
 
@@ -54,7 +55,7 @@ def test_the_settings_say_how_to_sync():
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 0.9), (0.7, 1.0), (0.0, 0.5)])
 def test_sampling_args_are_vllm_sampling_params(temperature, top_p):
     n = 1 if temperature == 0 else 4
-    args = sampling_args(n=n, temperature=temperature, top_p=top_p, max_tokens=64, seed=11)
+    args = sampling_args(SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=64, seed=11))
     params = vllm.SamplingParams(**args)
     assert (params.n, params.max_tokens, params.seed, params.logprobs) == (n, 64, 11, 0)
     assert not params.detokenize  # token ids are what the trainer uses
@@ -66,7 +67,7 @@ def test_sampling_args_are_vllm_sampling_params(temperature, top_p):
 
 def test_greedy_sampling_of_several_responses_is_refused():
     with pytest.raises(ValueError, match="n=4"):
-        sampling_args(n=4, temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
+        SamplingParams(n=4, temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
 
 
 def test_completions_from_vllm_outputs_carry_the_version_vllm_recorded():
@@ -98,18 +99,17 @@ def test_completions_from_vllm_outputs_carry_the_version_vllm_recorded():
 
 
 def test_on_the_cpu_the_kv_cache_holds_a_steps_rollouts_and_no_more():
-    from lorarl.trainer.engines.vllm_worker import VllmWorker, kv_cache_for
+    from lorarl.trainer.engines.vllm_worker import VllmEngineSettings, VllmWorker, kv_cache_for
 
     # the embedded default: 3 layers, 2 KV heads of 32, float32, contexts of at most 32 positions
     tokens, gib = kv_cache_for(str(default_task.MODEL_DIR), torch.float32, sequences=256, tokens=520)
     assert tokens == 32  # the model's own limit
     per_token = 2 * 3 * 2 * 32 * 4  # keys and values, per layer, per KV head
     assert gib * (1 << 30) == 1.25 * 256 * 32 * per_token + (64 << 20)
-    rollout = types.SimpleNamespace(tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=None,
-                                    devices=None, kv_cache_gb=None, enforce_eager=None)  # fmt: skip
+    own = VllmEngineSettings()  # rollout.vllm.*, as the config defaults them
     context = types.SimpleNamespace(model_path=str(default_task.MODEL_DIR), dtype=torch.float32, seed=0,
                                     adapter_rank=None, device="cpu", sequences=256, sequence_tokens=520)  # fmt: skip
-    settings = VllmWorker.settings(rollout, context)
+    settings = VllmWorker.settings(own, context)
     assert (settings.max_model_len, settings.kv_cache_gb) == (32, gib)
-    chosen = VllmWorker.settings(types.SimpleNamespace(**vars(rollout) | {"kv_cache_gb": 3.0}), context)
+    chosen = VllmWorker.settings(VllmEngineSettings(kv_cache_gb=3.0), context)
     assert (chosen.max_model_len, chosen.kv_cache_gb) == (None, 3.0)  # as the user set it

@@ -42,7 +42,7 @@ def make_model_dir(directory: Path, *, tie: bool, seed: int = 0) -> Path:
 def trainer_overrides(setup: dict[str, str], output_dir: Path, **extra) -> list[str]:
     """The trainer tests' short run (`trainer_fixtures.tiny_overrides`) with vLLM as its engine, in float32."""
     return tiny_overrides(setup, output_dir, rollout__engine="vllm", rollout__dtype="float32",
-                          rollout__kv_cache_gb=0.25, **extra)  # fmt: skip
+                          rollout__vllm__kv_cache_gb=0.25, **extra)  # fmt: skip
 
 
 def engine_settings(model_dir: Path, *, adapter_rank: int | None = None) -> VllmSettings:

@@ -12,7 +12,7 @@ from lorarl.trainer.loop import Trainer
 from lorarl.trainer.parallel import full_state_dict
 from lorarl.trainer.presets import PRESETS
 from lorarl.trainer.recompute import is_checkpointed
-from lorarl.trainer.rollout import Sample
+from lorarl.trainer.rollout import Rollouts, Sample
 
 
 def fixed_samples(groups: int = 6, n: int = 4) -> list[Sample]:
@@ -35,6 +35,10 @@ def one_step(port: int, rank: int, world: int, setup: dict, output_dir: str, ext
                           MASTER_PORT=str(port))  # fmt: skip
     trainer = Trainer(load_config(None, tiny_overrides(setup, output_dir, **extra), presets=PRESETS))
     assert (trainer.dp is None) == (world == 1)
+    # no engine here: rollouts (scripted below) and, on the main rank too, a weight sync without one
+    trainer.rollouts = Rollouts(trainer.config, None, trainer.train_set, trainer.sampler, trainer.tokenizer,
+                                trainer.reward)  # fmt: skip
+    trainer.weights = trainer.weights or trainer._weight_sync(None)
     trainer.rollouts.collect = lambda step, version: (fixed_samples(), {})  # the same batch whatever the world size
     metrics = trainer.train_step(1)
     trainable = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}

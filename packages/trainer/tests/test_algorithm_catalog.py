@@ -10,6 +10,7 @@ import torch
 
 from lorarl.trainer.algorithms import (
     ADVANTAGES,
+    ClipRange,
     advantages,
     aggregate,
     kl_penalty,
@@ -90,7 +91,7 @@ def test_opo_gpg_and_passk_against_their_formulas():
 def test_every_estimator_is_registered_with_its_paper():
     for name in ("grpo", "drgrpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_pp", "reinforce_pp_baseline"):
         assert name in ADVANTAGES
-        assert "20" in ADVANTAGES[name].__doc__, name  # a year: the paper is named
+        assert "20" in ADVANTAGES[name].target.__doc__, name  # a year: the paper is named
 
 
 def loss_inputs(seed: int = 0):
@@ -134,11 +135,11 @@ def test_gpg_sapo_and_gmpo_against_their_formulas():
         return 1 / (1 + math.exp(-tau * (ratio - 1))) * 4 / tau
 
     loss, _ = policy_loss("sapo", logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean",
-                          options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05})  # fmt: skip
+                          settings={"tau_pos": 1.0, "tau_neg": 1.05})  # fmt: skip
     per_token = [[-a[i][t] * gate(math.exp(lp[i][t] - o[i][t]), a[i][t]) for t in range(5)] for i in range(4)]
     assert loss.item() == pytest.approx(seq_mean_token_mean(per_token, mask))
 
-    loss, metrics = policy_loss("gmpo", logp, old, adv, mask, clip_low=0.2, clip_high=0.28,
+    loss, metrics = policy_loss("gmpo", logp, old, adv, mask, clip=ClipRange(0.2, 0.28),
                                 loss_agg_mode="seq-mean-token-mean")  # fmt: skip
     sequences = []
     for i in range(4):
@@ -162,7 +163,7 @@ def test_kl_cov_penalises_the_tokens_of_largest_covariance():
     cov = {(i, t): (float(adv[i, t]) - mean_a) * (float(lp[i, t]) - mean_l) for i, t in valid}
     top = sorted(valid, key=lambda k: -cov[k])[:2]  # ratio 0.2 of 10 tokens
     loss, metrics = policy_loss("kl_cov", logp, old, adv, mask, loss_agg_mode="token-sum",
-                                options={"kl_cov_ratio": 0.2, "kl_cov_coef": 0.7})  # fmt: skip
+                                settings={"ratio": 0.2, "coef": 0.7})  # fmt: skip
     expected = 0.0
     for i, t in valid:
         log_ratio = float(lp[i, t] - old[i, t])
@@ -175,9 +176,8 @@ def test_clip_cov_cuts_the_gradient_of_a_few_mid_covariance_tokens():
     torch.manual_seed(0)
     logp, old, adv, mask = loss_inputs(seed=2)
     adv = adv * 8  # covariances of order 1, some inside (lb, ub)
-    options = {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.05, "clip_cov_ub": 50.0}
-    loss, _ = policy_loss("clip_cov", logp, old, adv, mask, clip_low=0.2, clip_high=0.2, loss_agg_mode="token-sum",
-                          options=options)  # fmt: skip
+    options = {"ratio": 0.2, "lb": 0.05, "ub": 50.0}
+    loss, _ = policy_loss("clip_cov", logp, old, adv, mask, loss_agg_mode="token-sum", settings=options)  # fmt: skip
     loss.backward()
     plain, _ = policy_loss("ppo", logp.detach().requires_grad_(), old, adv, mask, loss_agg_mode="token-sum")
     ratio = torch.exp(logp.detach() - old)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lorarl.trainer.algorithms import advantages, aggregate, kl_penalty, policy_loss
+from lorarl.trainer.algorithms import ClipRange, advantages, aggregate, kl_penalty, policy_loss
 
 
 def batch(seed=0, groups=(4, 4, 1, 3, 2), width=7):
@@ -148,7 +148,7 @@ def test_aggregate_and_its_micro_batch_split(mode, seed):
 @pytest.mark.parametrize("clips", [(0.2, 0.2), (0.2, 0.28)])
 def test_ppo_and_cispo_match_the_formula(name, seed, clips):
     logp, old, adv, mask = loss_inputs(seed)
-    loss, metrics = policy_loss(name, logp, old, adv, mask, clip_low=clips[0], clip_high=clips[1])
+    loss, metrics = policy_loss(name, logp, old, adv, mask, clip=ClipRange(*clips))
     expected = aggregate_reference(per_token_reference(name, logp, old, adv, *clips), mask, "token-mean")
     assert loss.item() == pytest.approx(expected, rel=1e-10)
     assert 0 <= metrics["clipfrac"] <= 1
@@ -160,7 +160,7 @@ def test_dual_clip_caps_negative_advantages(seed):
     logp, old, adv, mask = loss_inputs(seed)
     noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed), dtype=logp.dtype)
     logp = old + noise * 2  # large ratios
-    loss, _ = policy_loss("ppo", logp, old, adv, mask, dual_clip=3.0)
+    loss, _ = policy_loss("ppo", logp, old, adv, mask, clip=ClipRange(dual=3.0))
     expected = aggregate_reference(per_token_reference("ppo", logp, old, adv, 0.2, 0.2, 3.0), mask, "token-mean")
     assert loss.item() == pytest.approx(expected, rel=1e-10)
 
@@ -192,7 +192,7 @@ def test_gspo_value_and_gradient_of_its_token_form():
 def test_cispo_gradient_is_the_detached_clipped_weight_times_advantage():
     logp, old, adv, mask = loss_inputs(2)
     logp = logp.clone().requires_grad_(True)
-    loss, _ = policy_loss("cispo", logp, old, adv, mask, clip_high=0.28)
+    loss, _ = policy_loss("cispo", logp, old, adv, mask, clip=ClipRange(high=0.28))
     loss.backward()
     weight = torch.exp(logp.detach() - old).clamp(max=1.28)
     expected = torch.where(mask, -adv * weight / mask.sum(), 0.0)

@@ -13,13 +13,19 @@ from lorarl.trainer.cli import main
         ({"data__max_prompt_tokens": 2}, "no usable prompts"),
         ({"reward__fn": "no_such_module:fn"}, "cannot import no_such_module"),
         ({"reward__fn": "/nonexistent/reward.py:fn"}, "not found"),
-        ({"model__lora__rank": -1}, "model.lora.rank must be >= 0"),
+        ({"model__lora__rank": -1}, "model.lora.rank=-1: expected a value >= 0"),
         ({"model__path": "/nonexistent/model"}, "is not a Hugging Face model directory"),
         ({"model__lora__rnak": 4}, "did you mean 'model.lora.rank'"),
         ({"trainer__steps": "many"}, "trainer.steps"),
         ({"rollout__sync": "auto", "model__lora__rank": 0}, "rollout.sync=auto needs a LoRA adapter"),
+        ({"data__batch_size": 400}, "data.batch_size=400 is larger than the 300 training prompts"),
         (
-            {"rollout__engine": "vllm", "rollout__devices": "1", "rollout__sync": "adapter", "model__lora__rank": 0},
+            {
+                "rollout__engine": "vllm",
+                "rollout__vllm__devices": "1",
+                "rollout__sync": "adapter",
+                "model__lora__rank": 0,
+            },
             "rollout.sync=adapter needs a LoRA adapter",
         ),
     ],
@@ -27,6 +33,36 @@ from lorarl.trainer.cli import main
 def test_bad_input_exits_with_a_clear_message(tiny_setup, tmp_path, capsys, extra, message):
     assert main(tiny_overrides(tiny_setup, tmp_path / "out", **extra)) == 2
     assert message in capsys.readouterr().out
+
+
+def test_an_output_dir_that_is_a_file_or_cannot_be_made_is_named(tiny_setup, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    assert main(tiny_overrides(tiny_setup, taken)) == 2
+    assert f"trainer.output_dir={taken}: {taken} exists and is not a directory" in capsys.readouterr().out
+    assert main(tiny_overrides(tiny_setup, taken / "run")) == 2
+    assert f"trainer.output_dir={taken / 'run'}: cannot create {taken / 'run'} (Not a directory)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_key_without_a_value_says_an_override_needs_one(tiny_setup, tmp_path, capsys):
+    assert main([*tiny_overrides(tiny_setup, tmp_path / "out"), "actor.lr"]) == 2
+    assert "'actor.lr': neither a config file nor key=value; an override needs a value (e.g. actor.lr=...)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_damaged_checkpoint_is_named_on_resume(tiny_setup, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(tiny_overrides(tiny_setup, out, trainer__steps=1)) == 0
+    state = out / "checkpoints" / "step_1" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # cut short, as a full disk leaves it
+    capsys.readouterr()
+    assert main(tiny_overrides(tiny_setup, out, trainer__steps=2, trainer__resume="auto")) == 2
+    message = capsys.readouterr().out
+    assert f"cannot read {state} (" in message
+    assert "the checkpoint is damaged; resume from another one" in message
 
 
 def test_empty_dataset(tiny_setup, tmp_path, capsys):

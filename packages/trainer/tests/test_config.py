@@ -38,7 +38,11 @@ def test_every_preset_is_a_valid_algorithm_section(name):
     config = load_config(None, [f"algorithm={name}"], presets=PRESETS)
     assert config.algorithm.name == name
     for key, value in PRESETS[name].settings.items():
-        assert getattr(config.algorithm, key) == value
+        if isinstance(value, dict):  # a piece's own settings
+            for setting, chosen in value.items():
+                assert getattr(getattr(config.algorithm, key), setting) == chosen
+        else:
+            assert getattr(config.algorithm, key) == value
 
 
 def test_a_preset_in_the_file_then_the_file_then_the_command_line(tmp_path):
@@ -103,6 +107,9 @@ def test_help_has_every_key_type_default_and_meaning():
     text = help_text()
     assert "model.lora.rank                  int        16                 LoRA rank; 0 = full fine-tuning" in text
     assert "rollout.engine" in text
-    assert "[hf | vllm]" in text
+    choices = text.split("rollout.engine: the registered choices")[1].splitlines()
+    assert [line.split()[0] for line in choices[1:3]] == ["hf", "vllm"]
+    assert "rollout.vllm.tensor_parallel_size" in text  # an engine's own settings, under its name
+    assert "algorithm.clip_cov.ratio" in text  # a loss's
     assert "algorithm.max_sampling_rounds" in text
     assert "[1..]" in text

@@ -13,7 +13,6 @@ from lorarl.lora_merge import iter_merged_weights
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import ConfigError, load_config
 from lorarl.trainer.engines.hf import checksum
-from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.logprobs import micro_batch, response_logprobs, response_values
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.models import Critic, Policy
@@ -139,12 +138,12 @@ def test_a_critic_of_its_own_when_either_side_is_fully_trained(tiny_setup, tmp_p
 
 
 def test_critic_settings_are_checked(tiny_setup, tmp_path):
-    with pytest.raises(TrainerError, match=r"critic\.lora\.adapter_path"):
+    with pytest.raises(ConfigError, match=r"critic\.lora\.adapter_path"):
         policy_and_critic(tiny_setup, tmp_path, critic__lora__adapter_path=str(tmp_path))
-    with pytest.raises(TrainerError, match=r"critic\.lora\.rank must be >= 0"):
+    with pytest.raises(ConfigError, match=r"critic\.lora\.rank=-1: expected a value >= 0"):
         policy_and_critic(tiny_setup, tmp_path, critic__lora__rank=-1)
-    with pytest.raises(ConfigError, match=r"algorithm\.lam"):
-        load_config(None, ["algorithm.lam=1.5"])
+    with pytest.raises(ConfigError, match=r"algorithm\.gae\.lam=1\.5: expected a value in \[0\.0, 1\.0\]"):
+        load_config(None, ["algorithm.gae.lam=1.5"])
 
 
 @pytest.fixture(scope="module")

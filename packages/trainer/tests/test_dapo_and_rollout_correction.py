@@ -18,12 +18,11 @@ from lorarl.trainer.algorithms import (
     rollout_mismatch,
 )
 from lorarl.trainer.cli import main
-from lorarl.trainer.config import load_config
-from lorarl.trainer.engines import Completion
-from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.config import ConfigError, load_config
+from lorarl.trainer.engines import Completion, SamplingParams
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
-from lorarl.trainer.rollout import Sample
+from lorarl.trainer.rollout import Rollouts, Sample
 from lorarl.trainer.update import to_batch
 
 
@@ -139,6 +138,7 @@ def scripted_trainer(tiny_setup, tmp_path, rounds_script, **extra):
     config = load_config(None, tiny_overrides(tiny_setup, tmp_path, data__batch_size=3, rollout__n=2, **extra),
                          presets=PRESETS)  # fmt: skip
     trainer = Trainer(config)
+    trainer.rollouts = Rollouts(config, None, trainer.train_set, trainer.sampler, trainer.tokenizer, trainer.reward)
     script = iter(rounds_script)
     trainer.rollouts.generate = lambda step, round_, first_group, version: crafted(next(script), first_group)
     return trainer
@@ -203,8 +203,8 @@ def test_truncated_responses_get_no_loss_when_masked():
 def test_a_bad_correction_band_is_refused_naming_the_key(tiny_setup, tmp_path, band):
     overrides = tiny_overrides(tiny_setup, tmp_path / "out", algorithm__rollout_correction="token_mask",
                                algorithm__rollout_correction_band=band)  # fmt: skip
-    with pytest.raises(TrainerError, match=r"algorithm\.rollout_correction_band=.*expected \[low, high\]"):
-        Trainer(load_config(None, overrides, presets=PRESETS))
+    with pytest.raises(ConfigError, match=r"algorithm\.rollout_correction_band=.*expected \[low, high\]"):
+        load_config(None, overrides, presets=PRESETS)
 
 
 @pytest.mark.parametrize("mode", ["token_mask", "sequence_reject"])
@@ -227,7 +227,7 @@ def test_remax_rollouts_carry_each_prompts_greedy_score(tiny_setup, tmp_path):
         trainer.weights.sync()
         samples, _ = trainer.rollouts.collect(1, version=0)
         prompts = sorted({tuple(s.prompt_ids) for s in samples})
-        greedy = engine.generate([list(p) for p in prompts], n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+        greedy = engine.generate([list(p) for p in prompts], SamplingParams(n=1, temperature=0.0, max_tokens=6))
         texts = trainer.tokenizer.batch_decode([c.token_ids for c in greedy], skip_special_tokens=True)
         examples = {tuple(e.prompt_ids): e for e in trainer.rollouts.examples}
         fn = trainer.reward.fns[0]

@@ -1,12 +1,17 @@
-"""Ctrl-C (SIGINT) to a real `trainer` process: it finishes the step in progress, writes a checkpoint of it, shuts the
-engine down and prints the command to resume — which repeats the uninterrupted run. A second Ctrl-C quits at once."""
+"""Ctrl-C (SIGINT) or SIGTERM to a real `trainer` process: it finishes the step in progress, writes a checkpoint of it,
+shuts the engine down and prints the command to resume — which repeats the uninterrupted run. Also when the signal
+goes to the whole process group of `uv run trainer` (what a terminal, a job scheduler or a supervisor does), which
+delivers it twice: from the group, and forwarded by uv. A second signal, later, quits at once."""
 
 import json
+import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from trainer_fixtures import tiny_overrides
@@ -20,9 +25,18 @@ def records(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def start(overrides: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lorarl.trainer.cli", *overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def start(overrides: list[str], *, under_uv: bool = False) -> subprocess.Popen:
+    """The trainer as its own process group (`uv run --no-sync trainer`, or this interpreter's `-m`)."""
+    if under_uv:
+        command = [shutil.which("uv"), "run", "--no-sync", "--project", str(ROOT), "trainer"]
+        env = {**os.environ, "VIRTUAL_ENV": str(Path(sys.prefix))}
+    else:
+        command, env = [sys.executable, "-m", "lorarl.trainer.cli"], None
+    return subprocess.Popen([*command, *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)  # fmt: skip
 
 
 def wait_for_steps(out, process: subprocess.Popen, steps: int) -> None:
@@ -60,12 +74,34 @@ def test_ctrl_c_checkpoints_the_last_step_and_the_printed_command_resumes_exactl
             assert record[key] == pytest.approx(expected[record["step"]][key], rel=1e-5, abs=1e-7), key
 
 
-def test_a_second_ctrl_c_quits_at_once(tiny_setup, tmp_path):
+@pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv (CI installs it)")
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_process_group_under_uv_run_checkpoints_and_prints_the_resume_command(
+    tiny_setup, tmp_path, signum, code
+):
     out = tmp_path / "out"
-    process = start(tiny_overrides(tiny_setup, out, trainer__steps=10_000))
-    wait_for_steps(out, process, 1)
+    process = start(tiny_overrides(tiny_setup, out, trainer__steps=STEPS), under_uv=True)
+    wait_for_steps(out, process, 2)
+    os.killpg(process.pid, signum)  # the whole group: uv and the trainer
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == code, output
+    stopped = records(out)[-1]["step"]
+    assert 2 <= stopped < STEPS, output
+    assert "interrupted" not in output
+    assert f"stopped after step {stopped} (checkpoint written); resume with:" in output
+    assert (out / "checkpoints" / f"step_{stopped}" / "trainer_state.pt").is_file()
+    assert "trainer.resume=auto" in output.strip().splitlines()[-1]
+
+
+def test_a_second_ctrl_c_quits_at_once(tiny_setup, tmp_path):
+    out, slow = tmp_path / "out", tmp_path / "slow.py"
+    slow.write_text("import time\n\n\ndef reward(prompt, response, answer):\n    time.sleep(0.1)\n    return 0.0\n")
+    process = start(tiny_overrides(tiny_setup, out, trainer__steps=10_000, reward__fn=f"{slow}:reward"))
+    wait_for_steps(out, process, 1)  # a step takes 3 s or more: both signals come within one
     process.send_signal(signal.SIGINT)
+    time.sleep(1.5)  # later than a repeat of the same signal (uv forwarding it)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output
+    assert "interrupted" in output
     assert len(records(out)) < 10_000

@@ -8,10 +8,8 @@ import pytest
 from trainer_fixtures import tiny_overrides
 
 from lorarl.trainer.cli import main
-from lorarl.trainer.config import load_config
+from lorarl.trainer.config import ConfigError, load_config
 from lorarl.trainer.engines import Completion, EngineError
-from lorarl.trainer.errors import TrainerError
-from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
 from lorarl.trainer.rollout import check_versions
 
@@ -48,8 +46,8 @@ def test_rollouts_older_than_the_allowed_lag_are_refused():
 )  # fmt: skip
 def test_overlap_needs_rollout_correction_and_a_worker_process(tiny_setup, tmp_path, settings, message):
     overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__overlap="true", **settings)
-    with pytest.raises(TrainerError, match=message):
-        Trainer(load_config(None, overrides, presets=PRESETS))
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides, presets=PRESETS)
 
 
 def test_a_resumed_overlapped_run_repeats_the_uninterrupted_one(tiny_setup, tmp_path):

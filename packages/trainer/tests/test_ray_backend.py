@@ -9,6 +9,7 @@ from trainer_fixtures import tiny_overrides
 from lorarl.lora_merge import iter_merged_weights
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
+from lorarl.trainer.engines import SamplingParams
 from lorarl.trainer.engines.hf import checksum
 from lorarl.trainer.engines.ray_actors import RayEngines  # before Ray itself: it settles how Ray starts workers
 from lorarl.trainer.loop import Trainer
@@ -36,7 +37,7 @@ def test_two_replicas_receive_the_merged_weights_and_share_the_prompts(tiny_setu
         merged = iter_merged_weights(trainer.model, dtype=trainer.rollout_dtype)
         assert trainer.engine.checksum() == checksum(merged)  # both replicas hold exactly the trainer's merged weights
         prompts = [[3, 4, 5], [6, 7], [8], [9, 10, 11], [12]]
-        completions = trainer.engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=3, seed=0)
+        completions = trainer.engine.generate(prompts, SamplingParams(n=2, max_tokens=3))
         assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
         assert {c.version for c in completions} == {1}
     finally:

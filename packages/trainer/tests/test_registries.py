@@ -1,36 +1,199 @@
-"""The algorithm registries: a new estimator, loss or KL estimator is one decorated function, which the config
-accepts, `--help` lists and the trainer uses — without touching trainer code."""
+"""The registries: a new estimator, loss, reward or engine is one decorated object in the user's own file, with its own
+settings, loaded from the config by import path — which `--help` lists and the trainer trains with, without a wrapper
+script and without touching trainer code."""
 
 import re
-from typing import ClassVar
 
 import pytest
 import torch
 from trainer_fixtures import tiny_overrides
 
-from lorarl.trainer.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, register_advantage
+from lorarl.trainer.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, policy_loss
+from lorarl.trainer.cli import main
 from lorarl.trainer.config import ConfigError, help_text, load_config
-from lorarl.trainer.engines import ENGINES
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
-from lorarl.trainer.registry import Registry
+from lorarl.trainer.registry import Plugin, PluginError, Registry, import_object
+
+PLUGINS = '''
+from dataclasses import dataclass
+
+import torch
+
+from lorarl.trainer.algorithms import register_advantage, register_policy_loss
+from lorarl.trainer.algorithms.advantages import group_stats, per_token
+from lorarl.trainer.engines import Completion, Worker, register_engine
+from lorarl.trainer.registry import option
+from lorarl.trainer.rewards import register_reward
+from lorarl.weight_sync import SyncStats
+
+CALLS = {"estimator": [], "loss": [], "reward": [], "engine": []}
 
 
-def test_a_registry_names_what_it_holds():
-    registry: Registry[int] = Registry("widget")
-    registry.register("cog")(1)
-    registry.register("sprocket")(2)
+@dataclass
+class ScaleSettings:
+    scale: float = option(1.0, "multiplies the group-centred rewards")
+
+
+@register_advantage("scaled_centred", settings=ScaleSettings, compares_groups=True)
+def scaled_centred(rewards, group_index, mask, *, scale):
+    """scale x (r - the group's mean)."""
+    CALLS["estimator"].append((rewards.clone(), scale))
+    return per_token(scale * group_stats(rewards, group_index).centred(rewards), mask)
+
+
+@dataclass
+class WeightSettings:
+    weight: float = option(1.0, "the policy gradient's weight")
+
+
+@register_policy_loss("weighted_pg", settings=WeightSettings)
+def weighted_pg(logp, old_logp, advantages, mask, clip, *, weight):
+    """-weight x A x log pi: a plain policy gradient."""
+    CALLS["loss"].append((advantages.detach().clone(), weight))
+    return -weight * advantages * logp, torch.zeros_like(mask), torch.exp(logp - old_logp).detach()
+
+
+@dataclass
+class DigitSettings:
+    digit: str = option("7", "the digit that scores")
+
+
+@register_reward("says_digit", settings=DigitSettings)
+def says_digit(prompt, response, answer, *, digit):
+    """1 if the response says the digit."""
+    CALLS["reward"].append(digit)
+    return float(digit in response)
+
+
+@dataclass
+class ScriptSettings:
+    tokens: list[int] = option([9, 5], "the token each response says, in turn (9: '7', 5: '3')")
+
+
+@register_engine("scripted", settings=ScriptSettings)
+class Scripted(Worker):
+    """Says one token per response, in turn, then ends; keeps what it is sent."""
+
+    def __init__(self, settings):
+        self.tokens, self.eos, self.version = settings.own.tokens, settings.context.eos_token_id, 0
+
+    def generate(self, prompts, sampling):
+        return [Completion(i, (self.tokens[j % len(self.tokens)], self.eos), (-0.5, -0.5), True, self.version)
+                for i in range(len(prompts)) for j in range(sampling.n)]
+
+    def load_weights(self, named_tensors, version, manifest):
+        names = [name for name, _ in named_tensors]
+        CALLS["engine"].append((version, names, [spec[0] for spec in manifest]))
+        self.version = version
+        return SyncStats(version, len(names), 0, 0, 0.0)
+'''
+
+
+@pytest.fixture
+def plugin_file(tmp_path):
+    """The user's plugin file, loaded by import path only; its entries leave the registries after the test."""
+    path = tmp_path / "my_plugins.py"
+    path.write_text(PLUGINS)
+    yield path
+    from lorarl.trainer.engines import ENGINES
+    from lorarl.trainer.rewards import REWARDS
+
+    for registry, name in ((ADVANTAGES, "scaled_centred"), (POLICY_LOSSES, "weighted_pg"), (REWARDS, "says_digit"),
+                           (ENGINES, "scripted")):  # fmt: skip
+        if name in registry:
+            registry.remove(name)
+
+
+def plugin_overrides(path) -> list[str]:
+    return [f"algorithm.adv_estimator={path}:scaled_centred", "algorithm.scaled_centred.scale=2.0",
+            f"algorithm.policy_loss={path}:weighted_pg", "algorithm.weighted_pg.weight=0.5",
+            f"reward.fn={path}:says_digit", "reward.says_digit.digit=7",
+            f"rollout.engine={path}:Scripted"]  # fmt: skip
+
+
+def test_plugins_by_import_path_are_listed_with_their_settings_and_train_a_step(
+    tiny_setup, tmp_path, plugin_file, capsys
+):
+    overrides = plugin_overrides(plugin_file)
+    text = help_text(None, overrides)
+    for key, meaning in [("algorithm.scaled_centred.scale", "multiplies the group-centred rewards"),
+                         ("algorithm.weighted_pg.weight", "the policy gradient's weight"),
+                         ("reward.says_digit.digit", "the digit that scores"),
+                         ("rollout.scripted.tokens", "the token each response says")]:  # fmt: skip
+        assert re.search(rf"^  {re.escape(key)} .*{re.escape(meaning)}", text, re.M), key
+    assert main(["--help", *overrides]) == 0  # the command line's --help, with the config's plugins
+    assert "algorithm.scaled_centred.scale" in capsys.readouterr().out
+
+    config = load_config(None, tiny_overrides(tiny_setup, tmp_path / "out", trainer__steps=1) + overrides)
+    assert (config.algorithm.scaled_centred.scale, config.algorithm.weighted_pg.weight) == (2.0, 0.5)
+    trainer = Trainer(config)
+    engine = trainer.start_engine()
+    try:
+        trainer.weights.sync()
+        before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+        metrics = trainer.train_step(1)
+    finally:
+        engine.close()
+    calls = import_object(f"{plugin_file}:CALLS")
+    # the engine's responses alternate "7" and "3": the reward (its digit set to 7) scores half of them
+    assert metrics["reward/mean"] == 0.5
+    assert calls["reward"]
+    assert set(calls["reward"]) == {"7"}
+    ((rewards, scale),) = calls["estimator"]
+    assert scale == 2.0
+    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0] * 8  # 8 prompts x 4 responses
+    ((advantages, weight),) = calls["loss"]  # one micro-batch
+    assert weight == 0.5
+    first = advantages[:, 0].tolist()  # the micro-batch's rows, shuffled: scale x (r - the group's mean) = 2 x +-0.5
+    assert sorted(first) == [-1.0] * 16 + [1.0] * 16
+    assert metrics["grad_norm"] > 0
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters() if p.requires_grad)
+    versions = [(version, names == announced) for version, names, announced in calls["engine"]]
+    assert versions == [(0, True), (1, True)]  # the merged weights of the start and of step 1, as announced
+    assert engine.version == 1
+
+
+def test_a_settings_key_of_a_plugin_is_checked_like_any_key(tiny_setup, plugin_file):
+    overrides = plugin_overrides(plugin_file)
+    with pytest.raises(ConfigError, match=r"unknown key 'algorithm\.scaled_centred\.scael'; did you mean"):
+        load_config(None, [*overrides, "algorithm.scaled_centred.scael=3"])
+    with pytest.raises(ConfigError, match=r"algorithm\.weighted_pg\.weight"):
+        load_config(None, [*overrides, "algorithm.weighted_pg.weight=heavy"])
+
+
+def test_an_import_path_must_name_a_registered_piece_of_that_kind(tmp_path, plugin_file):
+    (tmp_path / "plain.py").write_text("def estimator(rewards, group_index, mask):\n    return rewards\n")
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator=.*: estimator is not a registered advantage "
+                                          r"estimator: decorate it"):  # fmt: skip
+        load_config(None, [f"algorithm.adv_estimator={tmp_path / 'plain.py'}:estimator"])
+    with pytest.raises(ConfigError, match=r"weighted_pg is not a registered advantage estimator"):
+        load_config(None, [f"algorithm.adv_estimator={plugin_file}:weighted_pg"])
+    with pytest.raises(ConfigError, match=r"algorithm\.policy_loss=.*file .*missing\.py not found"):
+        load_config(None, [f"algorithm.policy_loss={tmp_path / 'missing.py'}:loss"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine=.*cannot import no_such_module"):
+        load_config(None, ["rollout.engine=no_such_module:Engine"])
+
+
+def test_a_registry_names_what_it_holds_and_loads_by_import_path():
+    registry: Registry[Plugin] = Registry("widget")
+    assert registry.register("cog")(len) is len  # the decorated object, unchanged
+    registry.register("sprocket")(abs)
+    cog = registry["cog"]
+    assert (cog.name, cog.target, cog("abc")) == ("cog", len, 3)
     assert list(registry) == ["cog", "sprocket"]
     assert "cog" in registry
-    assert len(registry) == 2
+    assert "cgo" not in registry
     with pytest.raises(ValueError, match="widget 'cog' is registered already"):
-        registry.register("cog")(3)
-    with pytest.raises(
-        ValueError, match=re.escape("unknown widget 'cgo': expected one of cog, sprocket; did you mean")
-    ):
+        registry.register("cog")(max)
+    with pytest.raises(PluginError, match=re.escape("unknown widget 'cgo': expected one of cog, sprocket, or an import "
+                                                    "path")):  # fmt: skip
         registry["cgo"]
-    assert registry.remove("cog") == 1
+    with pytest.raises(TypeError, match="unknown fields"):
+        registry.register("gear", needs_values=True)
+    assert registry.remove("cog") is cog
     assert list(registry) == ["sprocket"]
+    assert ADVANTAGES["lorarl.trainer.algorithms.advantages:grpo"] is ADVANTAGES["grpo"]
 
 
 def test_every_preset_names_registered_algorithms():
@@ -41,104 +204,27 @@ def test_every_preset_names_registered_algorithms():
     assert {"k1", "k2", "k3", "low_var_kl"} <= set(KL_ESTIMATORS)
 
 
-@pytest.fixture
-def zero_advantages():
-    """A toy estimator registered the way a user would: every advantage 0 (and a record of its calls)."""
-    calls = []
-
-    @register_advantage("toy_zero")
-    def toy_zero(rewards, group_index, mask, **options):
-        """No learning signal at all: what a broken estimator would give."""
-        calls.append((rewards.clone(), options))
-        return torch.zeros(mask.shape)
-
-    yield calls
-    ADVANTAGES.remove("toy_zero")
-
-
-def test_a_registered_estimator_is_a_config_choice_and_drives_training(tiny_setup, tmp_path, zero_advantages):
-    assert "toy_zero" in help_text()
-    overrides = tiny_overrides(tiny_setup, tmp_path / "out", algorithm__adv_estimator="toy_zero")
-    trainer = Trainer(load_config(None, overrides, presets=PRESETS))
-    trainer.start_engine()
-    try:
-        before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
-        metrics = trainer.train_step(1)
-    finally:
-        trainer.engine.close()
-    ((rewards, options),) = zero_advantages
-    assert rewards.numel() == 8 * 4
-    assert options == {"norm_std": True, "gamma": 1.0, "lam": 1.0, "eps": 1e-6}
-    assert float(rewards.mean()) == pytest.approx(metrics["reward/mean"])  # the step's scores (no shaping here)
-    assert metrics["grad_norm"] == 0.0  # zero advantages: no gradient, and the adapter did not move
-    for name, p in trainer.model.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(p, before[name]), name
-
-
 def test_an_unregistered_estimator_is_rejected_naming_the_registered_ones():
-    with pytest.raises(ConfigError, match=re.escape("adv_estimator='toy_zero': expected one of grpo, drgrpo, rloo")):
+    with pytest.raises(ConfigError, match=re.escape("unknown advantage estimator 'toy_zero': expected one of grpo, "
+                                                    "drgrpo, rloo")):  # fmt: skip
         load_config(None, ["algorithm.adv_estimator=toy_zero"])
 
 
-@pytest.fixture
-def scripted_engine(tiny_setup):
-    """A toy engine registered the way a user would: it answers every prompt "7" (then end of sequence) and keeps
-    the names and versions of the weights it is sent."""
-    from lorarl.trainer.engines import Completion, Worker, register_engine
-    from lorarl.weight_sync import SyncStats
-
-    class ScriptedWorker(Worker):
-        received: ClassVar[list] = []  # what the worker was sent, across instances
-
-        @classmethod
-        def settings(cls, rollout, context):
-            return context
-
-        def __init__(self, context):
-            self.version, self.eos = 0, context.eos_token_id
-
-        def generate(self, prompts, n, temperature, top_p, max_tokens, seed):
-            seven = 9  # "7" in the in-code character tokenizer
-            return [Completion(i, (seven, self.eos), (-0.5, -0.5), True, self.version)
-                    for i in range(len(prompts)) for _ in range(n)]  # fmt: skip
-
-        def load_weights(self, named_tensors, version, manifest):
-            names = [name for name, _ in named_tensors]
-            self.received.append((version, names, [spec[0] for spec in manifest]))
-            self.version = version
-            return SyncStats(version, len(names), 0, 0, 0.0)
-
-    register_engine("toy_scripted")(ScriptedWorker)
-    yield ScriptedWorker
-    ENGINES.remove("toy_scripted")
-
-
-def test_a_registered_engine_is_a_config_choice_and_serves_the_trainer(tiny_setup, tmp_path, scripted_engine):
-    from lorarl.lora_merge import merged_weight_specs
-
-    assert "toy_scripted" in help_text()
-    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__engine="toy_scripted")
-    trainer = Trainer(load_config(None, overrides, presets=PRESETS))
-    engine = trainer.start_engine()
-    try:
-        trainer.weights.sync()
-        metrics = trainer.train_step(1)
-    finally:
-        engine.close()
-    assert metrics["reward/mean"] == 1.0  # its "7"s, scored by the run's reward (the share of 7s in a response)
-    assert metrics["response_length/mean"] == 2.0
-    expected = [name for name, _, _ in merged_weight_specs(trainer.model)]
-    assert [(version, names) for version, names, _ in scripted_engine.received] == [(0, expected), (1, expected)]
-    assert all(announced == expected for _, _, announced in scripted_engine.received)
-    assert engine.version == 1
+def test_moved_keys_keep_working_and_say_their_new_name():
+    with pytest.warns(FutureWarning, match=r"algorithm\.clip_cov_ratio on the command line is now "
+                                           r"algorithm\.clip_cov\.ratio"):  # fmt: skip
+        config = load_config(None, ["algorithm.clip_cov_ratio=0.01", "rollout.batch_size=64"])
+    assert (config.algorithm.clip_cov.ratio, config.rollout.hf.batch_size) == (0.01, 64)
+    with pytest.warns(FutureWarning, match="algorithm.gamma"):
+        config = load_config(None, ["algorithm.gamma=0.9"])
+    assert config.algorithm.gae.gamma == config.algorithm.reinforce_pp.gamma == 0.9
 
 
 def test_a_registered_policy_loss_is_aggregated_and_measured_like_the_built_in_ones():
-    from lorarl.trainer.algorithms import policy_loss, register_policy_loss
+    from lorarl.trainer.algorithms import register_policy_loss
 
     @register_policy_loss("toy_vanilla_pg")
-    def vanilla_pg(logp, old_logp, advantages, mask, **options):
+    def vanilla_pg(logp, old_logp, advantages, mask, clip):
         """-A·log π (the README's example)."""
         return -advantages * logp, torch.zeros_like(mask), torch.exp(logp - old_logp).detach()
 

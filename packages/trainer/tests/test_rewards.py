@@ -49,13 +49,13 @@ def test_default_task_reward():
 
 
 def test_user_functions_by_module_and_by_file(tmp_path):
-    assert load_reward("lorarl.trainer.math_reward:math_exact") is math_exact
+    assert load_reward("lorarl.trainer.math_reward:math_exact").target is math_exact
     path = tmp_path / "my_reward.py"
     path.write_text("def length(prompt, response, answer):\n    return len(response)\n")
     assert load_reward(f"{path}:length")("p", "abc", "a") == 3
-    with pytest.raises(TrainerError, match="no function 'missing'"):
+    with pytest.raises(TrainerError, match="has no 'missing'"):
         load_reward(f"{path}:missing")
-    with pytest.raises(TrainerError, match="not a built-in"):
+    with pytest.raises(TrainerError, match="unknown reward 'nonsense': expected one of default, math"):
         load_reward("nonsense")
 
 

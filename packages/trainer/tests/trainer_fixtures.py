@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from lorarl.trainer import default_task
+from lorarl.trainer.engines import SamplingParams
 
 REWARD_FILE = '''
 def sevens(prompt, response, answer):
@@ -116,7 +117,7 @@ def make_adapter_nonzero(model) -> None:
 def greedy_after_sync(trainer, prompts: list, *, version: int, mode: str) -> list:
     """The trainer's weights synced into its engine (`mode`: adapter, merged or base), then greedy completions."""
     trainer.weights.sync(version=version, mode=mode)
-    return trainer.engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, seed=0)
+    return trainer.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=6))
 
 
 def served_merged_served(trainer) -> tuple[list, list, list]:

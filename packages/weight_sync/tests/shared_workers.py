@@ -1,6 +1,6 @@
 """The processes of the shared-bucket tests: a producer posting buckets to a `BucketMailbox`, consumers taking them
 (as a colocated trainer and its engine's tensor-parallel workers do). `device="cuda"` shares through CUDA IPC
-(`benchmarks/gpu_check.py` runs them so on a GPU)."""
+(`scripts/gpu_check.py` runs them so on a GPU)."""
 
 import os
 import signal

@@ -2,13 +2,12 @@
 
 A merged layer is written once into a tensor allocated for it. glibc (under torch's CPU allocator) maps every block
 of 32 MiB or more afresh from the OS and unmaps it when freed, so a large output is faulted in 4 KiB page by 4 KiB
-page while the merge writes it: on a 2-core Zen 4 VM a 4096 x 4096 bf16 merge into a fresh `torch.empty` took 14.6 ms
-against 2.0 ms into a reused buffer. Asking for transparent huge pages (as PyTorch's THP_MEM_ALLOC_ENABLE=1 does for
-every allocation) takes one fault per 2 MiB instead: 4.1 ms (4096 x 11008: 9.0 against 35.2 ms); what is left is the
+page while the merge writes it, which costs several times the merge itself. Asking for transparent huge pages (as
+PyTorch's THP_MEM_ALLOC_ENABLE=1 does for every allocation) takes one fault per 2 MiB instead; what is left is the
 kernel zeroing each new page. A stream of merges (`iter_merged_weights`) goes further: its consumer usually copies a
 tensor out (into a transfer bucket, into the engine's parameters) and drops it, so a later large output reuses that
 memory, already faulted in. Smaller outputs stay with torch: glibc reuses freed heap memory for them, with no fault at
-all (2.0x faster than fresh huge pages at 16-24 MiB).
+all.
 """
 
 import contextlib

@@ -23,6 +23,21 @@ STATE = "trainer_state.pt"
 VALUE_HEAD = "value_head.safetensors"
 
 
+def output_dir(path: str) -> Path:
+    """`trainer.output_dir`, created (with its parents) if it does not exist: a clear error before anything loads if
+    it cannot be, or is not a directory this process can write to."""
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise TrainerError(f"trainer.output_dir={path}: {directory} exists and is not a directory") from None
+    except OSError as e:
+        raise TrainerError(f"trainer.output_dir={path}: cannot create {directory} ({e.strerror or e})") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise TrainerError(f"trainer.output_dir={path}: {directory} is not writable")
+    return directory
+
+
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step_{step}"
 
@@ -90,14 +105,27 @@ def _load_into(model: nn.Module, directory: Path, *, adapter: str | None) -> Non
     if adapter is not None:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"), adapter_name=adapter)
+        set_peft_model_state_dict(
+            model, _read(directory / "adapter_model.safetensors", load_file), adapter_name=adapter
+        )
     else:
-        model.load_state_dict(load_file(directory / "model.safetensors"), strict=False)
+        model.load_state_dict(_read(directory / "model.safetensors", load_file), strict=False)
+
+
+def _read(file: Path, read: Callable):
+    """`read(file)`, or an error naming the file of a damaged checkpoint."""
+    try:
+        return read(file)
+    except Exception as e:
+        raise TrainerError(
+            f"cannot read {file} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the "
+            "checkpoint is damaged; resume from another one (trainer.resume=<its directory>)"
+        ) from None
 
 
 def load_state(path: Path) -> dict:
     """The saved trainer state (optimizer, scheduler, data position, step); restores the RNG states."""
-    state = torch.load(path / STATE, weights_only=False)
+    state = _read(path / STATE, lambda file: torch.load(file, weights_only=False))
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])  # noqa: NPY002 - the global generator is what libraries use
     torch.set_rng_state(state["rng"]["torch"])

@@ -13,9 +13,11 @@ from typing import NoReturn
 
 from lorarl.trainer.config import ConfigError, help_text, load_config
 from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.presets import PRESETS, presets_help
 
 USAGE = """usage: trainer [CONFIG.yaml] [key=value ...]
+       trainer --help [CONFIG.yaml] [key=value ...]     (with the settings of the plugins they name)
        trainer export --checkpoint DIR --merged OUT
        trainer eval --checkpoint DIR [--val-files FILE ...] [--n 8] [--out FILE.json] [key=value ...]
 
@@ -29,31 +31,32 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     console = Console(highlight=False, soft_wrap=True)
-    if argv and argv[0] in ("-h", "--help"):
-        console.print(USAGE.format(presets="|".join(PRESETS)), presets_help(), "", help_text(), sep="\n", markup=False)
-        return 0
     try:
+        if argv and argv[0] in ("-h", "--help"):  # with a config: its plugins' settings too
+            files, overrides = _split(argv[1:])
+            text = help_text(files[0] if files else None, overrides, presets=PRESETS)
+            console.print(USAGE.format(presets="|".join(PRESETS)), presets_help(), "", text, sep="\n", markup=False)
+            return 0
         if argv and argv[0] == "export":
             return _export(argv[1:], console)
         if argv and argv[0] == "eval":
             return _eval(argv[1:], console)
-        files = [a for a in argv if "=" not in a]
-        if len(files) > 1:
-            raise ConfigError(f"at most one config file, got {files}")
-        config = load_config(files[0] if files else None, [a for a in argv if "=" in a], presets=PRESETS)
+        files, overrides = _split(argv)
+        config = load_config(files[0] if files else None, overrides, presets=PRESETS)
         t = config.trainer
         if t.backend == "ray" and t.n_gpus_per_node * t.nnodes > 1 and "WORLD_SIZE" not in os.environ:
             from lorarl.trainer.ray_trainer import run_on_ray
 
             summary = run_on_ray(config)  # the ranks are Ray actors; rank 0 prints
         else:
-            from lorarl.trainer.loop import Trainer
+            with StopRequest(lambda text: console.print(text, markup=False)) as stop:  # from the start: never lost
+                from lorarl.trainer.loop import Trainer
 
-            summary = Trainer(config, console=console).run()
+                summary = Trainer(config, console=console).run(stop)
     except (ConfigError, TrainerError) as e:
         console.print(f"error: {e}", markup=False, style="red")
         return 2
-    except KeyboardInterrupt:  # a second Ctrl-C
+    except KeyboardInterrupt:  # a second signal
         console.print("interrupted", markup=False, style="red")
         return 130
     finally:
@@ -66,13 +69,21 @@ def main(argv: list[str] | None = None) -> int:
                               "trainer.resume=auto"])  # fmt: skip
         console.print(f"stopped after step {summary['stopped_at']} (checkpoint written); resume with:\n  {command}",
                       markup=False)  # fmt: skip
-        return 130
+        return 143 if summary.get("stopped_by") == "SIGTERM" else 130
     start, end = summary["val_accuracy_start"], summary["val_accuracy_end"]
     console.print(f"done: {summary['steps']} steps; outputs in {summary['output_dir']}", markup=False)
     if start is not None and end is not None:
         console.print(f"validation accuracy: {start:.3f} at the start -> {end:.3f} at the end "
                       f"({100 * (end - start):+.1f} points)", markup=False)  # fmt: skip
     return 0
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The config file (at most one) and the key=value overrides."""
+    files = [a for a in argv if "=" not in a]
+    if len(files) > 1:
+        raise ConfigError(f"at most one config file, got {files}")
+    return files, [a for a in argv if "=" in a]
 
 
 def _leave_process_group() -> None:

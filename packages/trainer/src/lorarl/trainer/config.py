@@ -9,26 +9,61 @@ with `algorithm=<name>` (or `algorithm: <name>` in the file).
 """
 
 import difflib
+import functools
 import types
 import typing
-from dataclasses import MISSING, fields, is_dataclass
+import warnings
+from dataclasses import MISSING, field, fields, make_dataclass
 from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from lorarl.trainer.schema import Config
+from lorarl.trainer import validation
+from lorarl.trainer.errors import ConfigError
+from lorarl.trainer.schema import Config, leaves, pluggable
 
-
-class ConfigError(ValueError):
-    """A configuration the trainer cannot run: names the key, says what is expected."""
+# keys that moved under the piece they belong to: an old key still works (with a warning naming the new one)
+MOVED = {
+    "algorithm.norm_std": ("algorithm.grpo.norm_std", "algorithm.grpo_passk.norm_std"),
+    "algorithm.gamma": ("algorithm.gae.gamma", "algorithm.reinforce_pp.gamma"),
+    "algorithm.lam": ("algorithm.gae.lam",),
+    "algorithm.clip_cov_ratio": ("algorithm.clip_cov.ratio",),
+    "algorithm.clip_cov_lb": ("algorithm.clip_cov.lb",),
+    "algorithm.clip_cov_ub": ("algorithm.clip_cov.ub",),
+    "algorithm.kl_cov_ratio": ("algorithm.kl_cov.ratio",),
+    "algorithm.kl_cov_coef": ("algorithm.kl_cov.coef",),
+    "algorithm.sapo_tau_pos": ("algorithm.sapo.tau_pos",),
+    "algorithm.sapo_tau_neg": ("algorithm.sapo.tau_neg",),
+    "rollout.batch_size": ("rollout.hf.batch_size",),
+    **{f"rollout.{key}": (f"rollout.vllm.{key}",) for key in ("tensor_parallel_size", "gpu_memory_utilization",
+                                                              "max_model_len", "kv_cache_gb", "enforce_eager",
+                                                              "devices")},
+}  # fmt: skip
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), presets: dict | None = None) -> Config:
     """The schema's defaults, then a preset (`algorithm=<name>`: on the command line, else `algorithm: <name>` in the
-    file), then the YAML file, then `key=value` overrides."""
-    schema = OmegaConf.structured(Config)
+    file), then the YAML file, then `key=value` overrides. Plugins named by import path are loaded first, so that
+    their settings are keys."""
+    layers = _layers(path, overrides, presets)
+    schema = config_class(layers)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), *layers)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = _full_key(e)
+        raise ConfigError(f"unknown key {key!r}{_closest(key, schema)}") from None
+    except ValidationError as e:
+        key = _full_key(e)
+        raise ConfigError(f"{key}: {e.msg.splitlines()[0]} (expected {_type_name(_field_type(key, schema))})") from None
+    config = OmegaConf.to_object(merged)
+    validation.check(config, schema)
+    return config
+
+
+def _layers(path: str | Path | None, overrides: list[str], presets: dict | None) -> list:
+    """The configuration's layers in order (presets, file, overrides), old keys moved."""
     loaded = _read_yaml(path) if path is not None else {}
     overrides = list(overrides)
     chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "algorithm"]
@@ -36,31 +71,77 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), prese
     if isinstance(loaded.get("algorithm"), str):
         chosen.insert(0, loaded.pop("algorithm"))
     layers = [_preset_layer(name, presets) for name in chosen]
-    layers.append(OmegaConf.create(loaded))
+    layers.append(_moved(loaded, f"in {path}"))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"{item!r}: overrides are key=value (e.g. model.lora.rank=32)")
         key, value = item.split("=", 1)
-        layers.append(OmegaConf.from_dotlist([f"{key}={value}"]))
-    try:
-        merged = OmegaConf.merge(schema, *layers)
-    except (ConfigKeyError, ConfigAttributeError) as e:
-        key = _full_key(e)
-        raise ConfigError(f"unknown key {key!r}{_closest(key)}") from None
-    except ValidationError as e:
-        key = _full_key(e)
-        raise ConfigError(f"{key}: {e.msg.splitlines()[0]} (expected {_type_name(_field_type(key))})") from None
-    config = OmegaConf.to_object(merged)
-    _check_values(config)
-    _check_rules(config)
-    return config
+        layer = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
+        layers.append(_moved(layer, "on the command line"))
+    return [OmegaConf.create(layer) for layer in layers]
+
+
+def _moved(layer: dict, where: str) -> dict:
+    """`layer` with the keys of `MOVED` under their new names."""
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if not isinstance(layer.get(section), dict) or key not in layer[section]:
+            continue
+        value = layer[section].pop(key)
+        warnings.warn(f"{old} {where} is now {' and '.join(new)}", FutureWarning, stacklevel=4)
+        for target in new:
+            _, piece, name = target.split(".")
+            layer[section].setdefault(piece, {})[name] = value
+    return layer
+
+
+def config_class(layers: list = ()) -> type[Config]:
+    """The schema: `Config`, each section holding the settings of every registered piece that has any under the
+    piece's name — after loading the plugins that `layers` name by import path."""
+    chosen = OmegaConf.merge(*layers) if layers else OmegaConf.create()
+    sections: dict[str, list] = {}
+    for key, registry in pluggable().items():
+        section = key.split(".")[0]
+        value = OmegaConf.select(chosen, key, default=None)
+        for spec in value if OmegaConf.is_list(value) else [value]:
+            if isinstance(spec, str) and ":" in spec:
+                validation.load_plugin(key, spec, registry)
+        pieces = sections.setdefault(section, [])
+        pieces.extend(entry for entry in registry.entries() if entry not in pieces)  # reward.fn and .fns share one
+    return _derived(tuple((section, tuple(entries)) for section, entries in sections.items()))
+
+
+@functools.cache
+def _derived(sections: tuple) -> type[Config]:
+    """The `Config` subclass for these registered pieces (one class per set, so that configs compare equal)."""
+    extended = {}
+    for section, entries in sections:
+        base = next(f.type for f in fields(Config) if f.name == section)
+        taken = {f.name: "a key of the section" for f in fields(base)}
+        extra = []
+        for entry in entries:
+            if entry.settings is None:
+                continue
+            if entry.name in taken:
+                raise ConfigError(f"{section}.{entry.name}: the settings of {entry.name!r} would replace "
+                                  f"{taken[entry.name]}; register it under another name")  # fmt: skip
+            taken[entry.name] = f"the settings of another piece named {entry.name!r}"
+            extra.append((entry.name, entry.settings, field(default_factory=entry.settings, metadata={"of": entry})))
+        extended[section] = make_dataclass(base.__name__, extra, bases=(base,))
+    return make_dataclass("Config", [(name, cls, field(default_factory=cls)) for name, cls in extended.items()],
+                          bases=(Config,))  # fmt: skip
 
 
 def _read_yaml(path: str | Path) -> dict:
     try:
         loaded = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
+        if "." in str(path) and not str(path).endswith((".yaml", ".yml")) and "/" not in str(path):
+            raise ConfigError(f"{path!r}: neither a config file nor key=value; an override needs a value (e.g. "
+                              f"{path}=...)") from None  # fmt: skip
         raise ConfigError(f"config file {path} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(loaded, dict):
@@ -78,37 +159,37 @@ def to_yaml(config: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-def help_text() -> str:
-    """Every key with its type, default and meaning."""
+def help_text(path: str | Path | None = None, overrides: list[str] = (), presets: dict | None = None) -> str:
+    """Every key with its type, default and meaning — the settings of every registered piece with it, and of the
+    plugins the configuration (`path`, `overrides`) names by import path."""
+    schema = config_class(_layers(path, overrides, presets))
     lines = ["Configuration keys (set in a YAML file or as key=value; later wins):", ""]
-    for key, f in _leaves(Config):
+    for key, f in leaves(schema):
         default = f.default_factory() if f.default is MISSING else f.default
         choices, low, high = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
         meaning = f.metadata.get("help", "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
         if low is not None or high is not None:
             meaning += f" [{'' if low is None else low}..{'' if high is None else high}]"
         lines.append(f"  {key:32} {_type_name(f.type):10} {default!r:18} {meaning}")
+    for key, registry in pluggable().items():
+        if key != "reward.fns":
+            lines += ["", f"{key}: the registered choices"] + [f"  {e.name:24} {e.summary}" for e in registry.entries()]
     return "\n".join(lines)
 
 
-def _leaves(cls, prefix: str = ""):
-    for f in fields(cls):
-        if is_dataclass(f.type):
-            yield from _leaves(f.type, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", f
-
-
-def _valid_keys() -> list[str]:
-    keys = [key for key, _ in _leaves(Config)]
+def _valid_keys(schema: type) -> list[str]:
+    keys = [key for key, _ in leaves(schema)]
     return keys + sorted({key.rsplit(".", 1)[0] for key in keys if "." in key})
 
 
-def _closest(key: str) -> str:
-    close = difflib.get_close_matches(key, _valid_keys(), n=1, cutoff=0.5)
+def _closest(key: str, schema: type) -> str:
+    moved = [new for old, new in MOVED.items() if key == old]
+    if moved:
+        return f"; it is now {' and '.join(moved[0])}"
+    close = difflib.get_close_matches(key, _valid_keys(schema), n=1, cutoff=0.5)
     if not close:
         last = key.rsplit(".", 1)[-1]
-        close = [k for k in _valid_keys() if k.endswith("." + last)][:1]
+        close = [k for k in _valid_keys(schema) if k.endswith("." + last)][:1]
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
@@ -117,8 +198,8 @@ def _full_key(error: Exception) -> str:
     return str(key)
 
 
-def _field_type(key: str):
-    for name, f in _leaves(Config):
+def _field_type(key: str, schema: type):
+    for name, f in leaves(schema):
         if name == key:
             return f.type
     return None
@@ -133,65 +214,3 @@ def _type_name(tp) -> str:
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
-
-
-def _check_values(config: Config) -> None:
-    for key, f in _leaves(Config):
-        section, name = key.rsplit(".", 1)
-        value = getattr(_resolve(config, section), name)
-        choices, low, high = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
-        if choices and value not in choices:
-            raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(str, choices))}")
-        if value is None:  # an optional key left unset
-            continue
-        if (low is not None and value < low) or (high is not None and value > high):
-            expected = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
-            raise ConfigError(f"{key}={value!r}: expected a value {expected}")
-
-
-def _resolve(config: Config, dotted: str):
-    for part in dotted.split("."):
-        config = getattr(config, part)
-    return config
-
-
-def _check_rules(config: Config) -> None:
-    """Rules across keys (or stricter than a range) that users trip over, each naming its keys."""
-    from lorarl.trainer.algorithms import ADVANTAGES, overlong_buffer
-
-    a, r, w = config.algorithm, config.rollout, config.reward
-    estimator = ADVANTAGES[a.adv_estimator]
-    if config.actor.lr <= 0:
-        raise ConfigError(f"actor.lr={config.actor.lr}: expected a value > 0")
-    if getattr(estimator, "needs_values", False) and config.critic.lr <= 0:
-        raise ConfigError(f"critic.lr={config.critic.lr}: expected a value > 0 (adv_estimator={a.adv_estimator} "
-                          "trains a critic)")  # fmt: skip
-    if getattr(estimator, "compares_groups", False) and r.n < 2:
-        raise ConfigError(f"rollout.n={r.n}: algorithm.adv_estimator={a.adv_estimator} compares the responses to a "
-                          "prompt, so it needs rollout.n >= 2 (with one, every advantage is 0 or the raw reward); "
-                          "or choose an estimator without groups: reinforce_pp, remax, gae")  # fmt: skip
-    if a.dual_clip is not None and a.dual_clip <= 1:
-        raise ConfigError(f"algorithm.dual_clip={a.dual_clip}: expected a bound > 1 (or null: off)")
-    buffer = overlong_buffer(a.overlong_buffer_frac, r.max_tokens)
-    if a.overlong_buffer_frac > 0 and buffer >= r.max_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac} of rollout.max_tokens="
-                          f"{r.max_tokens} is a buffer of {buffer} tokens: the overlong penalty would hit every "
-                          "response (expected a buffer shorter than max_tokens)")  # fmt: skip
-    if not 0 < r.top_p <= 1 or r.temperature < 0:
-        raise ConfigError(f"rollout.top_p={r.top_p}, rollout.temperature={r.temperature}: expected 0 < top_p <= 1 "
-                          "and temperature >= 0")  # fmt: skip
-    if a.mini_batches > config.data.batch_size * r.n:
-        raise ConfigError(f"algorithm.mini_batches={a.mini_batches}: more than the {config.data.batch_size * r.n} "
-                          "responses of a step (data.batch_size x rollout.n)")  # fmt: skip
-    if w.fns and w.fn != "default":
-        raise ConfigError(f"reward.fn={w.fn!r} and reward.fns={w.fns}: set one (reward.fns replaces reward.fn)")
-    if w.weights and len(w.weights) != len(w.fns or [w.fn]):
-        raise ConfigError(f"reward.weights={w.weights}: expected one weight per reward function "
-                          f"({len(w.fns or [w.fn])})")  # fmt: skip
-    unknown = set(config.trainer.loggers or []) - {"tensorboard", "wandb"}
-    if unknown:
-        raise ConfigError(f"trainer.loggers={config.trainer.loggers}: unknown {sorted(unknown)}; expected tensorboard, "
-                          "wandb")  # fmt: skip
-    if w.timeout_s and not w.workers:
-        raise ConfigError(f"reward.timeout_s={w.timeout_s} needs reward.workers >= 1 (a call is stopped in a worker "
-                          "process)")  # fmt: skip

@@ -1,14 +1,11 @@
 """SDPA for 16-bit models on a CPU: training forwards and decode steps attend in fp32.
 
-torch's CPU flash-attention kernel is slow in bf16 (2 Zen 4 vCPUs, torch 2.14):
-- where gradients flow: at the trainer's shapes (64 responses of 16 tokens after a shared 8-token prompt, 9 heads of
-  64) its forward + backward took 23.7 ms in bf16 against 6.5 ms with q, k and v cast to fp32 first, a sixth of a
-  SmolLM2-135M-shaped model's training pass. The fp32 attention is recomputed in the backward from the 16-bit inputs
-  autograd keeps (fp32 copies of q, k and v kept instead cost that model 0.29 GB more at its peak; recomputed, its
-  peak fell by 0.07 GB and the training pass stayed 13-17% shorter);
-- in a decode step (one query token, 64 sequences, 9 query heads sharing 3 KV heads): 4.8 ms against 1.0 ms at 128
-  cached tokens, 46 ms against 8.2 ms at 512. transformers also repeats the KV cache per query head before SDPA when
-  a mask is given, a copy of the whole cache each step; here the KV heads are shared inside SDPA (`enable_gqa`).
+torch's CPU flash-attention kernel is several times slower in bf16 than with q, k and v cast to fp32 first:
+- where gradients flow (the training forwards): the fp32 attention is recomputed in the backward from the 16-bit
+  inputs autograd keeps, so fp32 copies of q, k and v never stay in memory;
+- in a decode step (one query token, many sequences, grouped KV heads). transformers also repeats the KV cache per
+  query head before SDPA when a mask is given, a copy of the whole cache each step; here the KV heads are shared
+  inside SDPA (`enable_gqa`).
 Other forwards without gradients (prefills, reference log-probs) keep transformers' SDPA, as fast there. Results are
 cast back to the model's dtype: the model sees the same dtypes, only more exact attention.
 """

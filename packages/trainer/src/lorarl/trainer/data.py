@@ -197,6 +197,9 @@ class PromptSampler:
     def __init__(self, size: int, batch_size: int, seed: int):
         if size == 0:
             raise TrainerError("the training dataset is empty (after dropping prompts that are too long)")
+        if batch_size > size:
+            raise TrainerError(f"data.batch_size={batch_size} is larger than the {size} training prompts: every step "
+                               f"would draw the same prompts several times; use data.batch_size <= {size}")  # fmt: skip
         self.size, self.batch_size, self.seed = size, batch_size, seed
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)

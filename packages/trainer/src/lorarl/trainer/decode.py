@@ -1,16 +1,15 @@
 """The HF rollout worker's decode loop: a Hugging Face causal LM with its KV cache, sampled directly.
 
-Why not `model.generate`: on CPU its sampler (`torch.multinomial` over the vocabulary) took a fifth of the decode time
-of a 46M model, it keeps every step's logits to return them, and it scores the prompt's last position only after
-computing logits for all of them. Here the prefill computes one position's logits, each step draws by inverse CDF
+Why not `model.generate`: on CPU its sampler (`torch.multinomial` over the vocabulary) is a large share of the decode
+time, it keeps every step's logits to return them, and it scores the prompt's last position only after computing
+logits for all of them. Here the prefill computes one position's logits, each step draws by inverse CDF
 (one cumulative sum per row, then a binary search), and only the sampled tokens' log-probs are kept. The `n`
 responses to a prompt share one prefill: its KV cache is computed once and repeated (a GRPO group of 8 prefilled 8
 times was most of a short rollout's work).
 
 On CPU a float32 LM head larger than a slice is applied a slice of the vocabulary at a time (`vocab_sliced`): torch's
-GEMM of a few rows against a whole vocabulary is slow (2 AVX2 Zen 3 vCPUs, `benchmarks/decode_head.py`: slices of
-2 MiB of the weight took 0.61-0.74 of its time at 16 and 64 rows, vocabularies of 32768 to 151936; the 46M model's
-decode of 16 sequences took 0.90 of its time).
+GEMM of a few rows against a whole vocabulary is slower than the same work in slices that stay in cache
+(`benchmarks/decode_head.py` measures it).
 """
 
 import contextlib
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 
 from lorarl.trainer.head_logprobs import head_replaced
 
-HEAD_SLICE_BYTES = 2 << 20  # of the head's weight per GEMM: 1 and 4 MiB measured about the same
+HEAD_SLICE_BYTES = 2 << 20  # of the head's weight per GEMM: about a core's share of L2
 
 
 def nucleus(probs: Tensor, top_p: float) -> Tensor:

@@ -32,6 +32,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     of a checkpoint (its policy adapter on `model.path`, or its full model; the run's `config.yaml`, then `overrides`)
     or of a merged model directory (`trainer export`'s; the settings from `overrides`)."""
     from lorarl.trainer.config import load_config
+    from lorarl.trainer.engines import SamplingParams
     from lorarl.trainer.engines.hf import HFSettings, generate_with_hf
     from lorarl.trainer.errors import TrainerError
     from lorarl.trainer.models import DTYPES, load_base, load_tokenizer, resolve_device, resolve_model_path
@@ -54,14 +55,14 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     examples, _ = data.load_examples(config.data.val_files, "val.jsonl", tokenizer, config.data)
     examples = examples[: config.data.val_size] if config.data.val_size else examples
     settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                          config.rollout.batch_size)  # fmt: skip
+                          config.rollout.hf.batch_size)  # fmt: skip
     r, reward = config.rollout, rewards.Rewards(config.reward)
     prompts = [list(e.prompt_ids) for e in examples]
     try:
         model.eval()
-        greedy = generate_with_hf(model, settings, 0, prompts, 1, 0.0, 1.0, r.max_tokens, 0)
-        sampled = generate_with_hf(model, settings, 0, prompts, n, r.temperature, r.top_p, r.max_tokens,
-                                   config.trainer.seed)  # fmt: skip
+        greedy = generate_with_hf(model, settings, 0, prompts, SamplingParams(1, 0.0, 1.0, r.max_tokens, 0))
+        sampled = generate_with_hf(model, settings, 0, prompts, SamplingParams(n, r.temperature, r.top_p, r.max_tokens,
+                                                                               config.trainer.seed))  # fmt: skip
         greedy_scores_ = [s.total for s in reward.score(responses(examples, greedy, tokenizer))]
         chosen = [examples[c.prompt_index] for c in sampled]
         sampled_scores = [s.total for s in reward.score(responses(chosen, sampled, tokenizer))]

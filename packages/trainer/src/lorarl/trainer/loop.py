@@ -7,7 +7,6 @@ and `Trainer.train_step` reads them in order.
 
 import random
 import time
-import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -18,33 +17,17 @@ from omegaconf import OmegaConf
 from lorarl.trainer import algorithms, checkpoint, data, rewards
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.console import Console, summary
-from lorarl.trainer.engines import EngineContext, RolloutEngine, placement, start_engine
-from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
 from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
-from lorarl.trainer.metrics import MetricsLog, SamplesLog, plot
-from lorarl.trainer.models import (
-    DTYPES,
-    Critic,
-    Policy,
-    computes_natively,
-    load_tokenizer,
-    resolve_device,
-    rollout_dtype,
-)
-from lorarl.trainer.parallel import full_state_dict, setup_data_parallel, shard
+from lorarl.trainer.metrics import MetricsLog, SamplesLog, cuda_memory, plot, sample_rows
+from lorarl.trainer.models import Critic, Policy, load_tokenizer, resolve_device, rollout_dtype, warn_slow_dtypes
+from lorarl.trainer.parallel import full_state_dict, gathered_trainable, setup_data_parallel, shard
 from lorarl.trainer.recompute import checkpoint_layers
-from lorarl.trainer.rollout import Rollouts
+from lorarl.trainer.rollout import Rollouts, sampling_params
 from lorarl.trainer.update import ActorUpdate, to_batch
 from lorarl.trainer.weights import WeightSync, describe_choice
-
-
-def cuda_memory(device: torch.device) -> dict[str, float]:
-    """The peak GPU memory torch allocated in this process so far (an engine in a process of its own not counted)."""
-    if device.type != "cuda":
-        return {}
-    return {"memory/cuda_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9}
 
 
 class Trainer:
@@ -52,16 +35,15 @@ class Trainer:
         self.config = config
         t, r = config.trainer, config.rollout
         self.console = Console(console, t.steps)
-        self.output_dir = Path(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
-        _check_settings(config)
+        self.output_dir = checkpoint.output_dir(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
         _seed_everything(t.seed)
         self.dp, self.device = setup_data_parallel(resolve_device(t.device))
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
-        uses_critic = getattr(algorithms.ADVANTAGES[config.algorithm.adv_estimator], "needs_values", False)
+        uses_critic = algorithms.ADVANTAGES[config.algorithm.adv_estimator].needs_values
         self.critic = Critic(config.critic, self.policy, self.device) if uses_critic else None
         self.rollout_dtype = rollout_dtype(r.dtype, self.policy.dtype, self.device)
         if self.is_main:
-            _warn_slow_dtypes(config, self.device)
+            warn_slow_dtypes({"model.dtype": config.model.dtype, "rollout.dtype": r.dtype}, self.device)
         self.model = self.policy.model
         layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
         if config.actor.gradient_checkpointing:
@@ -82,20 +64,22 @@ class Trainer:
                 if not self.critic.shares_base:
                     shard(self.critic.model, self.dp.mesh)
         self.tokenizer = load_tokenizer(self.policy.path)
-        train_set, dropped = data.load_examples(config.data.train_files, "train.jsonl", self.tokenizer, config.data)
+        self.train_set, dropped = data.load_examples(config.data.train_files, "train.jsonl", self.tokenizer,
+                                                     config.data)  # fmt: skip
         self.val_set, val_dropped = data.load_examples(config.data.val_files, "val.jsonl", self.tokenizer, config.data)
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
         self.reward = rewards.Rewards(config.reward)
-        sampler = data.PromptSampler(len(train_set), config.data.batch_size, t.seed)
-        self.rollouts = Rollouts(config, train_set, sampler, self.tokenizer, self.reward)
+        self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip
+        self.prefetched = None  # a resumed run's next batch, generated before the checkpoint (rollout.overlap)
         self.start_step = self._resume(resume_from)
-        self.weights = WeightSync(self.model, mode=r.sync, dtype=self.rollout_dtype, dp=self.dp,
-                                  version=self.start_step)  # fmt: skip
+        # the engine and what it feeds: on the main rank from `start_engine`; on the others a sync without an engine
         self.engine: RolloutEngine | None = None
+        self.rollouts: Rollouts | None = None
+        self.weights = None if self.is_main else self._weight_sync(None)
         self.samples_log: SamplesLog | None = None  # the main rank's, while it runs with trainer.log_samples
 
     # --- the step ------------------------------------------------------------------------------------------------
@@ -120,7 +104,7 @@ class Trainer:
         metrics.update(self.actor.update(step, batch))
         train_s = time.perf_counter() - train_started
         if self.samples_log is not None:
-            self.samples_log.log(step, self._sample_rows(samples, batch))
+            self.samples_log.log(step, sample_rows(samples[: self.config.trainer.log_samples], batch, self.tokenizer))
 
         if keep_next is not None:  # before the sync: the engine answers in order
             waited = time.perf_counter()
@@ -131,7 +115,7 @@ class Trainer:
         return {
             **metrics,
             "lr": self.actor.optimizer.lr,
-            "data/epoch": self.rollouts.sampler.epoch,
+            "data/epoch": self.sampler.epoch,
             "timing/rollout_s": rollout_s,
             "timing/train_s": train_s,
             "timing/sync_s": time.perf_counter() - sync_started,
@@ -147,10 +131,14 @@ class Trainer:
         """The rank that owns the engine, the logs and the checkpoints (the only one without data parallelism)."""
         return self.dp is None or self.dp.is_main
 
-    def run(self) -> dict:
+    def run(self, stop: StopRequest | None = None) -> dict:
+        """The run, to `trainer.steps` or until `stop` is requested (a signal; entered by the caller, or here)."""
+        if stop is None:
+            with StopRequest(self.console.say) as stop:
+                return self.run(stop)
         t = self.config.trainer
         if not self.is_main:
-            return self._follow()
+            return self._follow(stop)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(to_yaml(self.config))
         console = self.console
@@ -164,7 +152,8 @@ class Trainer:
         self.start_engine()
         stopped_at = None
         try:
-            with console.live(self.start_step), StopRequest(console.say) as stop:
+            with console.live(self.start_step):
+                stop.say = console.say
                 chosen = self._choose_sync() if self.config.rollout.sync == "auto" else {}
                 if chosen:
                     console.say(describe_choice(chosen))
@@ -191,36 +180,22 @@ class Trainer:
                 self.samples_log.close()
         plots = plot(log.path, self.output_dir / "plots")
         result = summary(log.path, first_eval)
-        result.update({"output_dir": str(self.output_dir), "plots": [str(p) for p in plots], "stopped_at": stopped_at})
+        result.update({"output_dir": str(self.output_dir), "plots": [str(p) for p in plots], "stopped_at": stopped_at,
+                       "stopped_by": stop.signal_name if stopped_at else None})  # fmt: skip
         return result
 
-    def _follow(self) -> dict:
-        """A data-parallel rank other than 0: the same steps, its share of the training, the collectives."""
+    def _follow(self, stop: StopRequest) -> dict:
+        """A data-parallel rank other than 0: the same steps, its share of the training, the collectives (it stops
+        where rank 0 does)."""
         t = self.config.trainer
         if self.config.rollout.sync == "auto":
             self._choose_sync()
         self.weights.sync()
-        with StopRequest(lambda text: None) as stop:
-            for step in range(self.start_step + 1, t.steps + 1):
-                self.train_step(step)
-                if self._checkpoint_or_stop(step, stop):
-                    break
+        for step in range(self.start_step + 1, t.steps + 1):
+            self.train_step(step)
+            if self._checkpoint_or_stop(step, stop):
+                break
         return {}
-
-    def _sample_rows(self, samples: list, batch) -> list[dict]:
-        """The first `trainer.log_samples` responses of the step as text, with their score, reward (after shaping)
-        and advantage (the mean over their tokens; with GAE it varies along the response)."""
-        rows = []
-        for i, sample in enumerate(samples[: self.config.trainer.log_samples]):
-            advantages = batch.advantages[i][batch.response_mask[i]]
-            rows.append({
-                "prompt": self.tokenizer.decode(sample.prompt_ids),
-                "completion": self.tokenizer.decode(list(sample.completion.token_ids), skip_special_tokens=True),
-                "score": sample.score, "reward": sample.reward,
-                "advantage": float(advantages.mean()) if advantages.numel() else 0.0,
-                "tokens": len(sample.completion.token_ids), "finished": sample.completion.finished,
-            })  # fmt: skip
-        return rows
 
     def _checkpoint_or_stop(self, step: int, stop: StopRequest) -> bool:
         """After each step, on every rank: whether the run stops here (Ctrl-C before the last step; rank 0's word, so
@@ -234,26 +209,26 @@ class Trainer:
     def start_engine(self) -> RolloutEngine:
         """The rollout engine `rollout.*` describes (`engines.start_engine`), started and fed by this trainer."""
         r, t = self.config.rollout, self.config.trainer
-        if r.sync != "merged" and not self.policy.is_lora:
-            raise TrainerError(f"rollout.sync={r.sync} needs a LoRA adapter (model.lora.rank > 0)")
         adapter_rank = self.model.peft_config["default"].r if r.sync in ("adapter", "auto") else None
         context = EngineContext(str(self.policy.path), self.rollout_dtype, str(self.device),
                                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed, adapter_rank,
                                 r.overlap, self.config.data.batch_size * r.n,
                                 self.config.data.max_prompt_tokens + r.max_tokens)  # fmt: skip
         engine = start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
-        self.engine = self.rollouts.engine = self.weights.engine = engine
+        self.engine = engine
+        self.rollouts = Rollouts(self.config, engine, self.train_set, self.sampler, self.tokenizer, self.reward,
+                                 prefetched=self.prefetched)  # fmt: skip
+        self.weights = self._weight_sync(engine)
         return engine
 
+    def _weight_sync(self, engine: RolloutEngine | None) -> WeightSync:
+        return WeightSync(self.model, engine, mode=self.config.rollout.sync, dtype=self.rollout_dtype, dp=self.dp,
+                          version=self.start_step)  # fmt: skip
+
     def _choose_sync(self) -> dict:
-        r = self.config.rollout
-        prompts = [e.prompt_ids for e in self.rollouts.examples[: self.config.data.batch_size]]
-
-        def generate() -> None:
-            self.engine.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                 seed=0)  # fmt: skip
-
-        return self.weights.choose(generate)
+        prompts = [e.prompt_ids for e in self.train_set[: self.config.data.batch_size]]
+        sampling = sampling_params(self.config.rollout, seed=0)
+        return self.weights.choose(lambda: self.engine.generate(prompts, sampling))
 
     def evaluate(self) -> dict:
         """Greedy answers to the validation prompts: mean reward and accuracy."""
@@ -274,15 +249,15 @@ class Trainer:
         state = {"actor": self.actor.optimizer.state_dict(self.model)}
         weights = critic_weights = None
         if self.dp is not None:
-            weights = _gathered(self.model, self.policy.is_lora)
+            weights = gathered_trainable(self.model, self.policy.is_lora)
             if critic is not None:
-                critic_weights = weights if critic.shares_base else _gathered(critic.model, critic.is_lora)
+                critic_weights = weights if critic.shares_base else gathered_trainable(critic.model, critic.is_lora)
         if critic is not None:
             state["critic"] = self.actor.critic_optimizer.state_dict(critic.modules)
             head = full_state_dict(critic.head.state_dict())
         if not self.is_main:
             return None
-        state.update({"sampler": self.rollouts.sampler.state_dict(), "prefetched": self.rollouts.prefetched})
+        state.update({"sampler": self.sampler.state_dict(), "prefetched": self.rollouts.prefetched})
 
         def write_weights(directory: Path) -> None:
             checkpoint.save_policy(directory, self.model, is_lora=self.policy.is_lora, weights=weights)
@@ -300,48 +275,10 @@ class Trainer:
         self.actor.optimizer.load_state_dict(self.model, actor)
         if self.critic is not None:
             self.actor.critic_optimizer.load_state_dict(self.critic.modules, state["critic"])
-        self.rollouts.sampler.load_state_dict(state["sampler"])
-        self.rollouts.prefetched = state.get("prefetched")
+        self.sampler.load_state_dict(state["sampler"])
+        self.prefetched = state.get("prefetched")
         self.console.say(f"resumed from {path} (step {state['step']})")
         return state["step"]
-
-
-def _warn_slow_dtypes(config: Config, device: torch.device) -> None:
-    """16-bit weights the device does not compute natively: allowed (they halve the memory), but said, since the run
-    is then many times slower than in float32."""
-    # rollout.dtype=auto picks a 16-bit dtype this slow only as model.dtype, already named
-    chosen = {"model.dtype": config.model.dtype, "rollout.dtype": config.rollout.dtype}
-    slow = [
-        f"{key}={name}"
-        for key, name in chosen.items()
-        if name in DTYPES and not computes_natively(DTYPES[name], device)
-    ]
-    if slow:
-        warnings.warn(f"{' and '.join(slow)}: this CPU has no instructions for 16-bit matmuls (AVX512-BF16 or AMX for "
-                      "bfloat16, AVX512-FP16 or AMX-FP16 for float16), so torch runs them many times slower than "
-                      "float32 (a 46M model's step took 23x as long in bfloat16 on an AVX2 CPU); float32 is faster "
-                      "here", stacklevel=3)  # fmt: skip
-
-
-def _check_settings(config: Config) -> None:
-    """Combinations of settings the trainer cannot run, refused before anything loads."""
-    r, t, a = config.rollout, config.trainer, config.algorithm
-    if r.replicas > 1 and t.backend != "ray":
-        raise TrainerError(f"rollout.replicas={r.replicas} needs trainer.backend=ray")
-    if r.overlap and a.rollout_correction == "none":
-        raise TrainerError("rollout.overlap trains on rollouts of the weights one update behind: set "
-                           "algorithm.rollout_correction=token (or sequence) to correct for that")  # fmt: skip
-    band = list(a.rollout_correction_band)
-    if len(band) != 2 or not 0 <= band[0] <= 1 <= band[1]:
-        raise TrainerError(f"algorithm.rollout_correction_band={band}: expected [low, high] with 0 <= low <= 1 <= high")
-    if r.overlap and placement(r, t.backend) == "inline":
-        raise TrainerError("rollout.overlap generates beside the training: it needs rollout.worker=process")
-
-
-def _gathered(model: torch.nn.Module, is_lora: bool) -> dict[str, torch.Tensor]:
-    """What a checkpoint keeps of a sharded model (its trainable weights, or all of a full fine-tune), gathered."""
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    return full_state_dict({k: v for k, v in model.state_dict().items() if k in trainable or not is_lora})
 
 
 def _seed_everything(seed: int) -> None:

@@ -137,3 +137,28 @@ def _plain(value):
     if hasattr(value, "item"):
         value = value.item()
     return round(value, 6) if isinstance(value, float) else value
+
+
+def cuda_memory(device) -> dict[str, float]:
+    """The peak GPU memory torch allocated in this process so far (an engine in a process of its own not counted)."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {"memory/cuda_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+
+
+def sample_rows(samples: list, batch, tokenizer) -> list[dict]:
+    """Responses of the step as text (for samples.jsonl), with their score, reward (after shaping) and advantage (the
+    mean over their tokens; with GAE it varies along the response)."""
+    rows = []
+    for i, sample in enumerate(samples):
+        advantages = batch.advantages[i][batch.response_mask[i]]
+        rows.append({
+            "prompt": tokenizer.decode(sample.prompt_ids),
+            "completion": tokenizer.decode(list(sample.completion.token_ids), skip_special_tokens=True),
+            "score": sample.score, "reward": sample.reward,
+            "advantage": float(advantages.mean()) if advantages.numel() else 0.0,
+            "tokens": len(sample.completion.token_ids), "finished": sample.completion.finished,
+        })  # fmt: skip
+    return rows

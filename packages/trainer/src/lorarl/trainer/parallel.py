@@ -84,3 +84,9 @@ def shard(model: nn.Module, mesh) -> None:
 def full_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Gathered copies of a (possibly sharded) state dict, on the CPU; a collective: every rank calls it."""
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in state.items()}
+
+
+def gathered_trainable(model: torch.nn.Module, is_lora: bool) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of a sharded model (its trainable weights, or all of a full fine-tune), gathered."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return full_state_dict({k: v for k, v in model.state_dict().items() if k in trainable or not is_lora})

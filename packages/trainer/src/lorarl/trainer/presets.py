@@ -11,7 +11,6 @@ class Preset(NamedTuple):
 
 _BASE = {
     "adv_estimator": "grpo",
-    "norm_std": True,
     "policy_loss": "ppo",
     "clip_low": 0.2,
     "clip_high": 0.2,
@@ -28,11 +27,11 @@ PRESETS: dict[str, Preset] = {
     ),
     "drgrpo": Preset(
         "Dr. GRPO (Liu et al. 2025): no std division, per-sequence sums over a constant length",
-        {**_BASE, "adv_estimator": "drgrpo", "norm_std": False, "loss_agg_mode": "seq-mean-token-sum-norm"},
+        {**_BASE, "adv_estimator": "drgrpo", "loss_agg_mode": "seq-mean-token-sum-norm"},
     ),
     "ppo": Preset(
         "PPO (Schulman et al. 2017) with a LoRA critic: GAE (gamma 1, lambda 1) on the critic's values, whitened",
-        {**_BASE, "adv_estimator": "gae", "gamma": 1.0, "lam": 1.0},
+        {**_BASE, "adv_estimator": "gae", "gae": {"gamma": 1.0, "lam": 1.0}},
     ),
     "rloo": Preset("RLOO (Ahmadian et al. 2024): leave-one-out baseline", {**_BASE, "adv_estimator": "rloo"}),
     "gpg": Preset(
@@ -57,7 +56,15 @@ PRESETS: dict[str, Preset] = {
 def presets_help() -> str:
     lines = ["Presets (algorithm=<name>, before the other settings):", ""]
     for name, preset in PRESETS.items():
-        changed = {k: v for k, v in preset.settings.items() if name == "grpo" or _BASE.get(k) != v}
+        changed = {k: v for k, v in _flat(preset.settings).items() if name == "grpo" or _flat(_BASE).get(k) != v}
         lines.append(f"  {name:8} {preset.summary}")
         lines.append(f"  {'':8}   " + " ".join(f"{k}={v}" for k, v in changed.items()))
     return "\n".join(lines)
+
+
+def _flat(settings: dict, prefix: str = "") -> dict:
+    """Nested settings (a piece's own: {"gae": {"lam": 1.0}}) as dotted keys."""
+    flat = {}
+    for key, value in settings.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat

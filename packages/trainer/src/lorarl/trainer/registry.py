@@ -1,50 +1,186 @@
-"""A name → function table that config choices, presets and `--help` read, so that a new estimator, loss or engine is
-one decorated function (or class) and nothing else to edit."""
+"""Registries of the pluggable pieces (advantage estimators, policy losses, KL estimators, rollout engines, rewards).
 
+Each entry is a typed `Plugin`: its function (or class), its metadata as fields, and the dataclass of its own settings,
+which the config schema places under the entry's name (`algorithm.clip_cov.ratio`) and `--help` lists with it. A config
+chooses an entry by name, or loads one by import path (`package.module:name` or `path/to/file.py:name`): a plugin is
+one decorated object in the user's own file, nothing else to edit."""
+
+import dataclasses
 import difflib
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
-T = TypeVar("T")
+
+def option(default, help: str, choices: Iterable | None = None, *, minimum: float | None = None,
+           maximum: float | None = None):  # fmt: skip
+    """A config key (of a section, or of a plugin's settings): its default, one-line meaning, and the values it
+    accepts (choices — a tuple, or a registry, whose names are read when a config is checked — or an inclusive
+    range); `--help` shows them."""
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-class Registry(Generic[T]):
-    """Entries of one kind (`kind` names it in errors), in registration order. Iterating yields the names, so a
-    registry serves as a config key's `choices`: a name registered later is accepted as well."""
+@dataclass(frozen=True)
+class Plugin:
+    """One registry entry. Calling it calls `target`."""
 
-    def __init__(self, kind: str):
-        self.kind = kind
-        self._entries: dict[str, T] = {}
+    name: str
+    target: Any  # the function, or the class of an engine
+    settings: type | None = None  # the dataclass of its own settings (None: it has none)
 
-    def register(self, name: str) -> Callable[[T], T]:
-        """A decorator adding the decorated object under `name`; a name is registered once."""
+    def __call__(self, *args, **kwargs):
+        return self.target(*args, **kwargs)
 
-        def add(entry: T) -> T:
+    @property
+    def summary(self) -> str:
+        """Its docstring's first paragraph, on one line, cut to 90 characters."""
+        text = " ".join((self.target.__doc__ or "").strip().split("\n\n")[0].split())
+        return text if len(text) <= 90 else text[:89] + "…"
+
+    def keywords(self, given: Any = None) -> dict:
+        """Its settings as keywords: `given` (its settings dataclass, or a dict of some of them), the defaults for the
+        rest."""
+        if dataclasses.is_dataclass(given):
+            given = dataclasses.asdict(given)
+        given = dict(given or {})
+        names = [f.name for f in dataclasses.fields(self.settings)] if self.settings is not None else []
+        if unknown := set(given) - set(names):
+            raise ValueError(f"{self.name} has no settings {sorted(unknown)} (its settings: {names or 'none'})")
+        return {**(dataclasses.asdict(self.settings()) if self.settings is not None else {}), **given}
+
+    def settings_in(self, section: Any) -> Any:
+        """Its settings object, read from the config section that holds them (`section.<name>`; None: it has none)."""
+        return getattr(section, self.name) if self.settings is not None else None
+
+    def configured(self, section: Any) -> dict:
+        """Its settings as keywords, read from the config section that holds them."""
+        return self.keywords(self.settings_in(section))
+
+
+P = TypeVar("P", bound=Plugin)
+
+
+class PluginError(ValueError):
+    """A registry name or import path that names no usable entry: says which, and what is expected."""
+
+
+class Registry(Generic[P]):
+    """The entries of one kind (`kind` names it in errors), each of type `entry_type`, in registration order.
+    Iterating yields the names; `in` and `[]` also accept import paths, so a registry serves as a config key's
+    choices."""
+
+    def __init__(self, kind: str, entry_type: type[P] = Plugin):
+        self.kind, self.entry_type = kind, entry_type
+        self._entries: dict[str, P] = {}
+        self._imported: dict[str, P] = {}  # import path -> the entry it named
+        self._by_target: dict[Any, P] = {}  # a registered function or class -> its (first) entry
+
+    def register(self, name: str, **fields) -> Callable[[Any], Any]:
+        """A decorator registering the decorated function or class under `name`, with the entry's `fields`
+        (`settings=...` and the kind's metadata). A name is registered once."""
+        known = {f.name for f in dataclasses.fields(self.entry_type)} - {"name", "target"}
+        if unknown := set(fields) - known:
+            raise TypeError(f"{self.kind} {name!r}: unknown fields {sorted(unknown)}; expected some of {sorted(known)}")
+        settings = fields.get("settings")
+        if settings is not None and not dataclasses.is_dataclass(settings):
+            raise TypeError(f"{self.kind} {name!r}: settings must be a dataclass, got {settings!r}")
+
+        def add(target: Any) -> Any:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is registered already")
+            entry = self.entry_type(name=name, target=target, **fields)
             self._entries[name] = entry
-            return entry
+            self._by_target.setdefault(target, entry)
+            return target  # unchanged: a function stays a function, a class a class (picklable, subclassable)
 
         return add
 
-    def remove(self, name: str) -> T:
+    def remove(self, name: str) -> P:
         """Take `name` out again (a plugin unloaded, a test's toy entry) and return what it held."""
         entry = self[name]  # an unknown name: the same error as a lookup
         del self._entries[name]
+        self._imported = {path: e for path, e in self._imported.items() if e is not entry}
+        self._by_target = {target: e for target, e in self._by_target.items() if e is not entry}
         return entry
 
-    def __getitem__(self, name: str) -> T:
-        if name not in self._entries:
-            close = difflib.get_close_matches(str(name), self._entries, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown {self.kind} {name!r}: expected one of {', '.join(self._entries)}{hint}")
-        return self._entries[name]
+    def entries(self) -> list[P]:
+        return list(self._entries.values())
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
+    def __getitem__(self, spec: str) -> P:
+        """The entry registered as `spec`, or the one the import path `spec` names (imported once)."""
+        if spec in self._entries:
+            return self._entries[spec]
+        if isinstance(spec, str) and ":" in spec:
+            if spec not in self._imported:
+                self._imported[spec] = self._load(spec)
+            return self._imported[spec]
+        close = difflib.get_close_matches(str(spec), self._entries, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise PluginError(f"unknown {self.kind} {spec!r}: expected one of {', '.join(self._entries)}, or an import "
+                          f"path (package.module:name or path/to/file.py:name){hint}")  # fmt: skip
+
+    def entry_of(self, target: Any) -> P | None:
+        """The entry `target` (a function or class) is registered as, if any."""
+        try:
+            return self._by_target.get(target)
+        except TypeError:  # not hashable: not registered
+            return None
+
+    def _load(self, spec: str) -> P:
+        found = import_object(spec)
+        if (entry := self.entry_of(found)) is not None:
+            return entry
+        raise PluginError(f"{getattr(found, '__name__', spec)} is not a registered {self.kind}: decorate it with the "
+                          f"{self.kind}'s register decorator (see the trainer's README, Plugins)")  # fmt: skip
+
+    def __contains__(self, spec: object) -> bool:
+        try:
+            self[spec]
+        except PluginError:
+            return False
+        return True
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._entries))
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+_FILE_MODULES: dict[Path, Any] = {}  # plugin files loaded by path, once each (their decorators register once)
+
+
+def import_object(spec: str) -> Any:
+    """The object `package.module:name` or `path/to/file.py:name` names."""
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).resolve()
+            if not path.is_file():
+                raise PluginError(f"file {target} not found")
+            if path not in _FILE_MODULES:
+                module_name = f"lorarl_plugin_{path.stem}_{len(_FILE_MODULES)}"
+                module_spec = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+                try:
+                    module_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]
+                    raise
+                _FILE_MODULES[path] = module
+            module = _FILE_MODULES[path]
+        else:
+            module = importlib.import_module(target)
+    except ImportError as e:
+        raise PluginError(f"cannot import {target}: {e}") from None
+    if not hasattr(module, name):
+        raise PluginError(f"{target} has no {name!r}")
+    return getattr(module, name)

@@ -10,48 +10,53 @@ names, so verl's and TRL's reward code runs unchanged:
   for chat prompts, as TRL passes them), `completion_ids`, and every other dataset column as a keyword list; None =
   no score from this function;
 - verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict` (a dict's `score`).
+
+A reward with settings of its own is decorated: `@register_reward("name", settings=Dataclass)` (and `format=...` to
+name its signature instead of having it recognised); its settings are `reward.<name>.*` and reach it as keywords.
 """
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.math_reward import math_exact
+from lorarl.trainer.registry import Plugin, PluginError, Registry, import_object
 from lorarl.trainer.schema import RewardSection
 
-BUILT_IN: dict[str, Callable] = {"default": default_task.reward, "math": math_exact}
+
+@dataclass(frozen=True)
+class Reward(Plugin):
+    """A reward function; `format` is its signature: a `REWARD_FORMATS` name, or auto (recognised by its parameter
+    names). Its settings (`reward.<name>.*`) reach it as keywords."""
+
+    format: str = "auto"
 
 
-def load_reward(spec: str) -> Callable:
-    """A built-in by name, or `package.module:function`, or `path/to/file.py:function`."""
-    if spec in BUILT_IN:
-        return BUILT_IN[spec]
-    if ":" not in spec:
-        raise TrainerError(f"reward.fn={spec!r}: not a built-in ({', '.join(BUILT_IN)}) nor module:function")
-    target, name = spec.rsplit(":", 1)
+REWARDS: Registry[Reward] = Registry("reward", Reward)
+register_reward = REWARDS.register
+REWARD_FORMATS: Registry[Plugin] = Registry("reward format")
+register_reward("default")(default_task.reward)
+register_reward("math")(math_exact)
+
+
+def load_reward(spec: str) -> Reward:
+    """A registered reward by name, or `package.module:function` / `path/to/file.py:function`: a registered
+    (decorated) reward, or a plain function in any of the formats."""
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise TrainerError(f"reward.fn={spec!r}: file {path} not found")
-            module_spec = importlib.util.spec_from_file_location(f"lorarl_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except ImportError as e:
-        raise TrainerError(f"reward.fn={spec!r}: cannot import {target}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise TrainerError(f"reward.fn={spec!r}: {target} has no function {name!r}")
-    return fn
+        if ":" not in spec:
+            return REWARDS[spec]
+        found = import_object(spec)
+    except PluginError as e:
+        raise TrainerError(f"reward.fn={spec!r}: {e}") from None
+    if (registered := REWARDS.entry_of(found)) is not None:
+        return registered
+    if not callable(found):
+        raise TrainerError(f"reward.fn={spec!r}: not a function")
+    return Reward(spec.rsplit(":", 1)[1], found)
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,10 @@ class Response:
 
 
 def style(fn: Callable) -> str:
-    """Which signature `fn` was written for, by its parameter names: "trl" (completions, often prompts), "verl"
+    """Which format `fn` was written for, by its parameter names: "trl" (completions, often prompts), "verl"
     (solution_str, ground_truth) or "lorarl" (prompt, response, answer)."""
+    if isinstance(fn, Reward):
+        return fn.format if fn.format != "auto" else style(fn.target)
     try:
         names = set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
@@ -79,27 +86,48 @@ def style(fn: Callable) -> str:
     return "lorarl"
 
 
-def call(fn: Callable, responses: Sequence[Response]) -> list[float | None]:
-    """`fn`'s scores of `responses`, called in its own signature (one call for TRL's, one per response otherwise).
-    Raises `RewardError` naming the response a failure or a non-number came from."""
-    kind = style(fn)
-    if kind == "trl":
-        try:
-            values = list(fn(**_trl_arguments(fn, responses)))
-        except Exception as e:
-            raise RewardError(_raised(e), responses[0]) from e
-        if len(values) != len(responses):
-            raise RewardError(f"returned {len(values)} scores for {len(responses)} completions", responses[0])
-        return [_checked(v, s, allow_none=True) for v, s in zip(values, responses, strict=True)]
+def call(fn: Callable, responses: Sequence[Response], options: dict | None = None) -> list[float | None]:
+    """`fn`'s scores of `responses`, called in its own format (one call for TRL's, one per response otherwise) with
+    its settings `options` as keywords. Raises `RewardError` naming the response a failure or a non-number came
+    from."""
+    return REWARD_FORMATS[style(fn)](getattr(fn, "target", fn), responses, options or {})
+
+
+@REWARD_FORMATS.register("trl")
+def call_trl(fn: Callable, responses: Sequence[Response], options: dict) -> list[float | None]:
+    """TRL's `f(prompts, completions, **columns) -> list[float | None]`, one call for the batch."""
+    try:
+        values = list(fn(**_trl_arguments(fn, responses), **options))
+    except Exception as e:
+        raise RewardError(_raised(e), responses[0]) from e
+    if len(values) != len(responses):
+        raise RewardError(f"returned {len(values)} scores for {len(responses)} completions", responses[0])
+    return [_checked(v, s, allow_none=True) for v, s in zip(values, responses, strict=True)]
+
+
+@REWARD_FORMATS.register("verl")
+def call_verl(fn: Callable, responses: Sequence[Response], options: dict) -> list[float | None]:
+    """verl's `compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict`, per response."""
+
+    def score(response: Response):
+        value = fn(data_source=response.columns.get("data_source"), solution_str=response.response,
+                   ground_truth=response.answer, extra_info=response.columns.get("extra_info"), **options)  # fmt: skip
+        return value["score"] if isinstance(value, dict) else value
+
+    return _per_response(score, responses)
+
+
+@REWARD_FORMATS.register("lorarl")
+def call_lorarl(fn: Callable, responses: Sequence[Response], options: dict) -> list[float | None]:
+    """lorarl's `f(prompt, response, answer) -> float`, per response."""
+    return _per_response(lambda r: fn(r.prompt, r.response, r.answer, **options), responses)
+
+
+def _per_response(score: Callable[[Response], object], responses: Sequence[Response]) -> list[float | None]:
     scores = []
     for response in responses:
         try:
-            if kind == "verl":
-                value = fn(data_source=response.columns.get("data_source"), solution_str=response.response,
-                           ground_truth=response.answer, extra_info=response.columns.get("extra_info"))  # fmt: skip
-                value = value["score"] if isinstance(value, dict) else value
-            else:
-                value = fn(response.prompt, response.response, response.answer)
+            value = score(response)
         except Exception as e:
             raise RewardError(_raised(e), response) from e
         scores.append(_checked(value, response, allow_none=False))
@@ -163,8 +191,13 @@ class Rewards:
         weights = list(section.weights) or [1.0] * len(specs)  # (one per function: checked with the config)
         self.specs, self.weights, self.section = specs, weights, section
         self.fns = [load_reward(spec) for spec in specs]
-        self.names = [spec.rsplit(":", 1)[-1] for spec in specs]
-        self.pool = ScoringPool(specs, section.workers, section.timeout_s) if section.workers else None
+        self.options = [fn.configured(section) for fn in self.fns]
+        self.names = [fn.name for fn in self.fns]
+        self.pool = None
+        if section.workers:
+            from lorarl.trainer.reward_pool import ScoringPool
+
+            self.pool = ScoringPool(specs, self.options, section.workers, section.timeout_s)
 
     def score(self, responses: Sequence[Response]) -> list[Score]:
         """Each response's reward and its functions' parts."""
@@ -174,9 +207,9 @@ class Rewards:
             if self.pool is not None:
                 results = self.pool.score(index, responses)
             elif self.section.on_error == "raise":
-                results = call(fn, responses)
+                results = call(fn, responses, self.options[index])
             else:  # one call per response, so that one failure leaves the others scored
-                results = [_caught(fn, response) for response in responses]
+                results = [_caught(fn, response, self.options[index]) for response in responses]
             for i, result in enumerate(results):
                 if isinstance(result, RewardError):
                     if self.section.on_error == "raise":
@@ -205,80 +238,8 @@ class Rewards:
             self.pool.close()
 
 
-def _caught(fn: Callable, response: Response) -> float | RewardError | None:
+def _caught(fn: Callable, response: Response, options: dict) -> float | RewardError | None:
     try:
-        return call(fn, [response])[0]
+        return call(fn, [response], options)[0]
     except RewardError as e:
         return e
-
-
-class ScoringPool:
-    """Processes (spawned: no state forked from the trainer) that load the reward functions once and score one response
-    per call, each call stopped by a timer after `timeout` s (0: none). A worker stuck where the timer cannot reach
-    (inside C code) is killed with the pool, which starts again; its responses count as timed out."""
-
-    def __init__(self, specs: list[str], workers: int, timeout: float):
-        self.specs, self.workers, self.timeout = specs, workers, timeout
-        self.executor = None  # started when first used (only the rank that scores uses it)
-
-    def _start(self) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        self.executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_load_in_worker, initargs=(self.specs,))  # fmt: skip
-        for future in [self.executor.submit(int) for _ in range(self.workers)]:
-            future.result()  # started and loaded: the time limits below are the calls' own
-
-    def score(self, index: int, responses: Sequence[Response]) -> list[float | RewardError | None]:
-        from concurrent.futures import wait
-
-        if self.executor is None:
-            self._start()
-        futures = [self.executor.submit(_score_in_worker, index, response, self.timeout) for response in responses]
-        rounds = -(-len(responses) // self.workers) + 1
-        _, stuck = wait(futures, timeout=rounds * self.timeout + 2 if self.timeout else None)
-        results = []
-        for future, response in zip(futures, responses, strict=True):
-            if future in stuck:
-                results.append(RewardError(f"did not answer within {self.timeout} s (its worker was killed)", response))
-                continue
-            value = future.result()
-            results.append(RewardError(value[1], response) if isinstance(value, tuple) else value)
-        if stuck:
-            self.close()  # started again for the next call
-        return results
-
-    def close(self) -> None:
-        if self.executor is None:
-            return
-        for process in list((self.executor._processes or {}).values()):
-            process.kill()  # a worker stuck in C code ignores everything else
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.executor = None
-
-
-_WORKER_FNS: list[Callable] = []
-
-
-def _load_in_worker(specs: list[str]) -> None:
-    _WORKER_FNS[:] = [load_reward(spec) for spec in specs]
-
-
-def _score_in_worker(index: int, response: Response, timeout: float) -> float | tuple[str, str] | None:
-    """A score, None, or ("error", what happened): an exception holding the response would not pickle back."""
-    import signal
-
-    def expire(signum, frame):
-        raise TimeoutError(f"timed out after {timeout} s")
-
-    if timeout:
-        signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        return call(_WORKER_FNS[index], [response])[0]
-    except RewardError as e:
-        return ("error", e.problem)
-    finally:
-        if timeout:
-            signal.setitimer(signal.ITIMER_REAL, 0)

@@ -3,14 +3,14 @@ prompts until enough groups carry a learning signal. Every completion's weight v
 never trains on rollouts of stale weights."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from lorarl.trainer import algorithms, data, rewards
 from lorarl.trainer.config import Config
-from lorarl.trainer.engines import Completion, EngineError, RolloutEngine
+from lorarl.trainer.engines import GREEDY, Completion, EngineError, RolloutEngine, SamplingParams
 
 
 @dataclass
@@ -29,12 +29,13 @@ class Sample:
 class Rollouts:
     """Draws the training prompts (`sampler`), has `engine` answer them `rollout.n` times, scores the answers."""
 
-    def __init__(self, config: Config, examples: list[data.Example], sampler: data.PromptSampler, tokenizer,
-                 reward: rewards.Rewards) -> None:  # fmt: skip
-        self.config, self.examples, self.sampler = config, examples, sampler
+    def __init__(self, config: Config, engine: RolloutEngine, examples: list[data.Example],
+                 sampler: data.PromptSampler, tokenizer, reward: rewards.Rewards,
+                 prefetched: tuple[list[int], list[Completion]] | None = None) -> None:  # fmt: skip
+        self.config, self.engine, self.examples, self.sampler = config, engine, examples, sampler
         self.tokenizer, self.reward = tokenizer, reward
-        self.engine: RolloutEngine | None = None  # set once the trainer has started it
-        self.prefetched: tuple[list[int], list[Completion]] | None = None  # the next step's batch (rollout.overlap)
+        self.needs_baseline = algorithms.ADVANTAGES[config.algorithm.adv_estimator].needs_greedy_baseline
+        self.prefetched = prefetched  # the next step's batch (rollout.overlap)
 
     def collect(self, step: int, version: int) -> tuple[list[Sample], dict]:
         """Rollouts of a batch of prompts, scored, from weights `version` (or one behind, with overlap). With dynamic
@@ -68,12 +69,9 @@ class Rollouts:
     def request(self, step: int, round_: int) -> tuple[list[int], Callable[[], list[Completion]]]:
         """The next batch of prompts from the sampler, submitted to the engine: their indices, and what waits for
         the completions."""
-        r = self.config.rollout
         indices = self.sampler.next_batch()
-        wait = self.engine.submit([self.examples[i].prompt_ids for i in indices], n=r.n, temperature=r.temperature,
-                                  top_p=r.top_p, max_tokens=r.max_tokens,
-                                  seed=step_seed(self.config.trainer.seed, step, round_))  # fmt: skip
-        return indices, wait
+        sampling = sampling_params(self.config.rollout, step_seed(self.config.trainer.seed, step, round_))
+        return indices, self.engine.submit([self.examples[i].prompt_ids for i in indices], sampling)
 
     def prefetch(self, step: int) -> Callable[[], None]:
         """`rollout.overlap`: submit step `step`'s batch now (it generates while the trainer trains); the returned
@@ -104,7 +102,7 @@ class Rollouts:
             lengths = torch.tensor([len(c.token_ids) for c in completions])
             penalties = algorithms.overlong_penalty(lengths, r.max_tokens, buffer, a.overlong_penalty).tolist()
         baselines = None
-        if getattr(algorithms.ADVANTAGES[a.adv_estimator], "needs_greedy_baseline", False):
+        if self.needs_baseline:
             baselines = greedy_scores(self.engine, examples, self.tokenizer, self.reward, max_tokens=r.max_tokens,
                                       version=version, lag=int(r.overlap))  # fmt: skip
         return [Sample(list(e.prompt_ids), c, first_group + c.prompt_index, score.total, score.total + penalty,
@@ -116,8 +114,7 @@ def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer
                   max_tokens: int, version: int, lag: int = 0) -> list[float]:  # fmt: skip
     """The run's reward of the engine's greedy answer to each prompt, from weights `version` (or `lag` before):
     validation, and the baseline of ReMax-style estimators."""
-    completions = engine.generate([e.prompt_ids for e in examples], n=1, temperature=0.0, top_p=1.0,
-                                  max_tokens=max_tokens, seed=0)  # fmt: skip
+    completions = engine.generate([e.prompt_ids for e in examples], replace(GREEDY, max_tokens=max_tokens))
     check_versions(completions, version, lag=lag)
     return [score.total for score in reward.score(responses(examples, completions, tokenizer))]
 
@@ -152,6 +149,11 @@ def rollout_metrics(samples: list[Sample]) -> dict:
     if penalties.any():
         metrics["reward/overlong_penalty"] = float(penalties.mean())
     return metrics
+
+
+def sampling_params(rollout, seed: int) -> SamplingParams:
+    """The run's sampling (`rollout.n`, `temperature`, `top_p`, `max_tokens`) with `seed`."""
+    return SamplingParams(rollout.n, rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
 
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:

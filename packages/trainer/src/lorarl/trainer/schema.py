@@ -1,26 +1,18 @@
-"""The configuration's schema: one dataclass per section, each key with its default, one-line meaning and accepted
-values (`option`). `config.py` loads and checks a configuration against it; `--help` prints it."""
+"""The configuration's fixed schema: one dataclass per section, each key with its default, one-line meaning and
+accepted values (`option`). The pluggable pieces' own settings join it from their registries (`config.py` derives the
+full schema); the keys that choose them (`pluggable`) are checked against those registries. Imports no torch."""
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
-from lorarl.trainer.algorithms import ADVANTAGES, AGG_MODES, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES
-from lorarl.trainer.engines import ENGINES
+from lorarl.trainer.registry import option
 
-
-def option(default, help: str, choices: Iterable | None = None, *, minimum: float | None = None,
-           maximum: float | None = None):  # fmt: skip
-    """A key: its default, one-line meaning, and the values it accepts (choices — a tuple, or a registry whose names
-    are read when a config is checked, so that entries registered later count — or an inclusive range)."""
-    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IS_LEVELS = ("token", "sequence", "token_mask", "sequence_reject")
 
 
 @dataclass
 class LoraSection:
-    rank: int = option(16, "LoRA rank; 0 = full fine-tuning")
+    rank: int = option(16, "LoRA rank; 0 = full fine-tuning", minimum=0)
     alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank, or alpha / sqrt(rank) with rslora)")
     target_modules: list[str] = option(["all-linear"], "modules that get adapters (peft names, or all-linear)")
     exclude_modules: list[str] = option([], "modules never adapted (peft names or regex)")
@@ -58,8 +50,9 @@ class DataSection:
 
 @dataclass
 class RolloutSection:
-    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU) or vllm (GPU; on the CPU in vLLM's CPU "
-                         "environment, made by scripts/vllm_cpu_env.sh); see engines/", ENGINES)  # fmt: skip
+    engine: str = option("hf", "rollout engine: hf (Hugging Face, CPU/GPU), vllm (GPU; on the CPU in vLLM's CPU "
+                         "environment, made by scripts/vllm_cpu_env.sh), or a plugin's import path; its settings: "
+                         "rollout.<engine>.*")  # fmt: skip
     n: int = option(8, "responses sampled per prompt (the GRPO group size)", minimum=1)
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
@@ -75,20 +68,9 @@ class RolloutSection:
                         "(the trainer recomputes log-probs in model.dtype either way)",
                         ("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     bucket_mb: int = option(256, "weight-sync bucket size (MB)")
-    batch_size: int = option(256, "sequences the hf engine generates at once")
-    tensor_parallel_size: int = option(1, "GPUs per vllm engine (its workers shard the received weights)", minimum=1)
-    gpu_memory_utilization: float = option(0.5, "share of each engine GPU vllm may use", minimum=0.05, maximum=1.0)
-    max_model_len: int | None = option(None, "vllm context length (None: the model's)")
-    kv_cache_gb: float | None = option(None, "KV cache of a vllm engine on the CPU, GiB (None: what a step's "
-                                       "rollouts need, data.batch_size × rollout.n sequences of "
-                                       "data.max_prompt_tokens + rollout.max_tokens tokens; on GPUs "
-                                       "gpu_memory_utilization decides)", minimum=0.01)  # fmt: skip
-    enforce_eager: bool | None = option(None, "vllm without compiled graphs (None: eager on the CPU, where compiling "
-                                        "takes minutes; graphs on GPUs)")  # fmt: skip
-    devices: str | None = option(None, "GPUs of a local vllm engine (CUDA_VISIBLE_DEVICES); None = the trainer's")
     worker: str = option("inline", "where the engine runs: in the trainer's process (weights copied in, no second "
                          "copy of the libraries; vllm: on the trainer's device, fed without a wire) or a process of "
-                         "its own (fed over gloo/NCCL; needed by overlap; implied by rollout.devices)",
+                         "its own (fed over gloo/NCCL; needed by overlap; implied by rollout.vllm.devices)",
                          ("inline", "process"))  # fmt: skip
     overlap: bool = option(False, "generate the next batch while training on this one: one step off-policy (its "
                            "rollouts come from the weights one update behind), corrected by "
@@ -100,18 +82,17 @@ class RolloutSection:
 @dataclass
 class AlgorithmSection:
     name: str = option("grpo", "preset this section started from")
-    adv_estimator: str = option("grpo", "advantage estimator (algorithms/advantages.py)", ADVANTAGES)
-    norm_std: bool = option(True, "divide group-centred rewards by the group's std (grpo)")
-    gamma: float = option(1.0, "discount along the response (reinforce_pp, gae)")
-    lam: float = option(1.0, "GAE's lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD (gae)",
-                        minimum=0.0, maximum=1.0)  # fmt: skip
-    policy_loss: str = option("ppo", "policy loss (algorithms/policy_losses.py)", POLICY_LOSSES)
-    clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low)", minimum=0.0, maximum=1.0)
+    adv_estimator: str = option("grpo", "advantage estimator (algorithms/advantages.py), or a plugin's import path; "
+                                "its settings: algorithm.<estimator>.*")  # fmt: skip
+    policy_loss: str = option("ppo", "policy loss (algorithms/policy_losses.py), or a plugin's import path; its "
+                              "settings: algorithm.<loss>.*")  # fmt: skip
+    clip_low: float = option(0.2, "ratio clip below 1 (1 - clip_low), for the losses that clip", minimum=0.0,
+                             maximum=1.0)  # fmt: skip
     clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)", minimum=0.0)
     dual_clip: float | None = option(None, "dual-clip bound c > 1 for negative advantages (None = off)")
     loss_agg_mode: str = option("token-mean", "loss aggregation", AGG_MODES)
     kl_coef: float = option(0.0, "weight of the KL to the reference policy (0 = off)")
-    kl_estimator: str = option("k3", "KL estimator (algorithms/kl.py)", KL_ESTIMATORS)
+    kl_estimator: str = option("k3", "KL estimator (algorithms/kl.py), or a plugin's import path")
     kl_in_reward: bool = option(False, "subtract the KL from the reward instead of adding a loss term")
     entropy_coef: float = option(0.0, "entropy bonus weight")
     ppo_epochs: int = option(1, "passes over each rollout batch", minimum=1)
@@ -129,13 +110,6 @@ class AlgorithmSection:
     rollout_correction_cap: float = option(2.0, "truncation cap of the rollout-correction weights", minimum=1.0)
     rollout_correction_band: list[float] = option([0.5, 2.0], "[low, high] of the ratio kept by token_mask and "
                                                   "sequence_reject")  # fmt: skip
-    clip_cov_ratio: float = option(2e-4, "clip_cov: share of tokens whose gradient is cut", minimum=0.0)
-    clip_cov_lb: float = option(1.0, "clip_cov: lowest covariance cut")
-    clip_cov_ub: float = option(5.0, "clip_cov: highest covariance cut")
-    kl_cov_ratio: float = option(2e-4, "kl_cov: share of tokens with the KL penalty", minimum=0.0)
-    kl_cov_coef: float = option(1.0, "kl_cov: weight of its |log ratio| penalty")
-    sapo_tau_pos: float = option(1.0, "sapo: gate temperature for positive advantages", minimum=1e-6)
-    sapo_tau_neg: float = option(1.05, "sapo: gate temperature for negative advantages", minimum=1e-6)
 
 
 @dataclass
@@ -219,3 +193,23 @@ class Config:
     critic: CriticSection = field(default_factory=CriticSection)
     reward: RewardSection = field(default_factory=RewardSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+
+
+def pluggable() -> dict:
+    """Each key that chooses a pluggable piece, and the registry it chooses from (the piece's settings live in the
+    key's section, under the piece's name)."""
+    from lorarl.trainer.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+    from lorarl.trainer.engines import ENGINES
+    from lorarl.trainer.rewards import REWARDS
+
+    return {"algorithm.adv_estimator": ADVANTAGES, "algorithm.policy_loss": POLICY_LOSSES,
+            "algorithm.kl_estimator": KL_ESTIMATORS, "rollout.engine": ENGINES, "reward.fn": REWARDS,
+            "reward.fns": REWARDS}  # fmt: skip
+
+
+def leaves(cls, prefix: str = ""):
+    for f in fields(cls):
+        if is_dataclass(f.type):
+            yield from leaves(f.type, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f

@@ -2,7 +2,6 @@
 (gradient accumulation bounded by tokens), each micro-batch's loss composed from the configured algorithm."""
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,7 +14,6 @@ from lorarl.trainer.models import Critic, Policy
 from lorarl.trainer.optim import Optimizer
 from lorarl.trainer.parallel import DataParallel
 from lorarl.trainer.rollout import Sample, step_seed
-from lorarl.trainer.schema import AlgorithmSection
 
 
 @dataclass
@@ -71,6 +69,10 @@ class ActorUpdate:
                  share_prompts: bool, critic: Critic | None = None) -> None:  # fmt: skip
         self.config, self.policy, self.model, self.device, self.dp = config, policy, policy.model, device, dp
         self.layout, self.share_prompts, self.critic = layout, share_prompts, critic
+        algorithm = config.algorithm
+        self.estimator = algorithms.ADVANTAGES[algorithm.adv_estimator]
+        self.loss = algorithms.POLICY_LOSSES[algorithm.policy_loss]
+        self.clip = algorithms.ClipRange(algorithm.clip_low, algorithm.clip_high, algorithm.dual_clip)
         a, c, steps = config.actor, config.critic, config.trainer.steps
         self.optimizer = Optimizer(policy.trainable(), lr=a.lr, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                                    warmup=a.warmup_steps, total=steps, schedule=a.lr_schedule)  # fmt: skip
@@ -95,14 +97,15 @@ class ActorUpdate:
         penalty = None
         if batch.reference is not None and a.kl_in_reward:
             current = batch.old if batch.old is not None else self.logprobs(batch)
-            penalty = a.kl_coef * algorithms.kl_penalty(current, batch.reference, a.kl_estimator) * batch.loss_mask
-        batch.advantages = algorithms.advantages(a.adv_estimator, batch.rewards, batch.group, batch.loss_mask,
-                                                 norm_std=a.norm_std, gamma=a.gamma, lam=a.lam,
-                                                 baseline=batch.baselines, values=batch.values,
-                                                 token_penalty=penalty)  # fmt: skip
-        if batch.values is not None:
-            _, batch.returns = algorithms.gae_returns(batch.rewards, batch.values, batch.loss_mask, gamma=a.gamma,
-                                                      lam=a.lam, token_penalty=penalty)  # fmt: skip
+            penalty = a.kl_coef * self._kl(current, batch.reference) * batch.loss_mask
+        settings = self.estimator.configured(a)
+        batch.advantages = algorithms.advantages(self.estimator, batch.rewards, batch.group, batch.loss_mask,
+                                                 baseline=batch.baselines, values=batch.values, token_penalty=penalty,
+                                                 **settings)  # fmt: skip
+        if batch.values is not None:  # the critic regresses on the returns of the estimator's discounting
+            _, batch.returns = algorithms.gae_returns(batch.rewards, batch.values, batch.loss_mask,
+                                                      gamma=settings.get("gamma", 1.0), lam=settings.get("lam", 1.0),
+                                                      token_penalty=penalty)  # fmt: skip
 
     def update(self, step: int, batch: Batch) -> dict:
         """PPO epochs x mini-batches x micro-batches, then the learning-rate schedules' step. The actor waits for the
@@ -173,15 +176,14 @@ class ActorUpdate:
             is_weights = algorithms.rollout_is_weights(old_logp, batch.rollout_logp[rows].to(self.device), mask,
                                                        a.rollout_correction, a.rollout_correction_cap,
                                                        tuple(a.rollout_correction_band))  # fmt: skip
-        loss, info = algorithms.policy_loss(a.policy_loss, logp, old_logp, batch.advantages[rows].to(self.device),
-                                            mask, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-                                            loss_agg_mode=a.loss_agg_mode, is_weights=is_weights,
-                                            options=loss_options(a), **totals)  # fmt: skip
+        loss, info = algorithms.policy_loss(self.loss, logp, old_logp, batch.advantages[rows].to(self.device), mask,
+                                            clip=self.clip, loss_agg_mode=a.loss_agg_mode, is_weights=is_weights,
+                                            settings=self.loss.settings_in(a), **totals)  # fmt: skip
         tokens = mask.sum().clamp(min=1)
         if is_weights is not None:
             info["rollout/is_weight_mean"] = float(is_weights.sum() / tokens)
         if batch.reference is not None:
-            kl = algorithms.kl_penalty(logp, batch.reference[rows].to(self.device), a.kl_estimator)
+            kl = self._kl(logp, batch.reference[rows].to(self.device))
             info["kl"] = float((kl.detach() * mask).sum() / tokens)
             if not a.kl_in_reward:
                 loss = loss + a.kl_coef * algorithms.aggregate(kl, mask, a.loss_agg_mode, **totals)
@@ -189,6 +191,12 @@ class ActorUpdate:
             loss = loss - a.entropy_coef * algorithms.aggregate(entropy, mask, a.loss_agg_mode, **totals)
         info["entropy"] = float((entropy.detach() * mask).sum() / tokens)
         return loss, info, old_logp
+
+    def _kl(self, logp: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        a = self.config.algorithm
+        return algorithms.kl_penalty(
+            logp, reference, a.kl_estimator, algorithms.KL_ESTIMATORS[a.kl_estimator].settings_in(a)
+        )
 
     def _micro_batches(self, batch: Batch, indices: list[int]) -> list[list[int] | None]:
         """This rank's micro-batches over its share of `indices` (token-bounded); with data parallelism padded with
@@ -249,11 +257,3 @@ def critic_metrics(batch: Batch, lr: float) -> dict:
         "critic/vf_explained_var": algorithms.explained_variance(batch.values, batch.returns, mask),
         "critic/lr": lr,
     }
-
-
-def loss_options(a: AlgorithmSection) -> dict:
-    """The `algorithm` keys the configured policy loss takes by name besides the clip range (`clip_cov_ratio`, ...),
-    read from its signature: a registered loss with a new key needs the key in the schema and nothing else."""
-    taken = inspect.signature(algorithms.POLICY_LOSSES[a.policy_loss]).parameters
-    given = {"clip_low", "clip_high", "dual_clip"}  # `policy_loss` passes these to every loss
-    return {name: getattr(a, name) for name in taken if name not in given and hasattr(a, name)}

@@ -23,9 +23,10 @@ class WeightSync:
     """Sends `model`'s weights (in `dtype`, the engine's) to `engine` as weights version `version`. With data
     parallelism every rank takes part in the gathers and rank 0 — the only one with an engine — sends."""
 
-    def __init__(self, model: nn.Module, *, mode: str, dtype: torch.dtype, dp: DataParallel | None, version: int):
-        self.model, self.mode, self.dtype, self.dp, self.version = model, mode, dtype, dp, version
-        self.engine: RolloutEngine | None = None  # None on the ranks other than 0
+    def __init__(self, model: nn.Module, engine: RolloutEngine | None, *, mode: str, dtype: torch.dtype,
+                 dp: DataParallel | None, version: int):  # fmt: skip
+        self.model, self.engine, self.mode, self.dtype, self.dp = model, engine, mode, dtype, dp  # no engine: rank > 0
+        self.version = version
         self.engine_has_base = False  # the factor sync's base weights went to the engine already
         if mode == "factors" and dp is not None:
             raise EngineError("rollout.sync=factors takes an unsharded adapter: with data-parallel ranks use merged")

@@ -11,17 +11,17 @@ All per-token tensors are `[N, R]`, aligned with `response_mask` (1 for response
 follow the papers and verl's `core_algos`, so that results transfer.
 """
 
-from lorarl.trainer.algorithms.advantages import ADVANTAGES, advantages, register_advantage
+from lorarl.trainer.algorithms.advantages import ADVANTAGES, AdvantageEstimator, advantages, register_advantage
 from lorarl.trainer.algorithms.aggregation import AGG_MODES, aggregate
 from lorarl.trainer.algorithms.critic import explained_variance, gae_returns, value_loss
 from lorarl.trainer.algorithms.dapo import informative_groups, overlong_buffer, overlong_penalty
 from lorarl.trainer.algorithms.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
-from lorarl.trainer.algorithms.policy_losses import POLICY_LOSSES, policy_loss, register_policy_loss
+from lorarl.trainer.algorithms.policy_losses import POLICY_LOSSES, ClipRange, policy_loss, register_policy_loss
 from lorarl.trainer.algorithms.rollout_correction import IS_LEVELS, rollout_is_weights, rollout_mismatch
 
 __all__ = [
-    "ADVANTAGES", "AGG_MODES", "IS_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES", "advantages", "aggregate",
-    "explained_variance", "gae_returns", "informative_groups", "kl_penalty", "overlong_buffer", "overlong_penalty",
-    "policy_loss", "register_advantage", "register_kl_estimator", "register_policy_loss", "rollout_is_weights",
-    "rollout_mismatch", "value_loss",
+    "ADVANTAGES", "AGG_MODES", "IS_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES", "AdvantageEstimator", "ClipRange",
+    "advantages", "aggregate", "explained_variance", "gae_returns", "informative_groups", "kl_penalty",
+    "overlong_buffer", "overlong_penalty", "policy_loss", "register_advantage", "register_kl_estimator",
+    "register_policy_loss", "rollout_is_weights", "rollout_mismatch", "value_loss",
 ]  # fmt: skip

@@ -1,66 +1,95 @@
 """Advantage estimators: one score per response in, per-token advantages `[N, R]` out (zero on masked tokens).
 
-Each estimator is a function registered under its config name (`algorithm.adv_estimator`); `advantages()` checks the
-inputs once and calls it with every option (`norm_std`, `gamma`, `lam`, `eps`), which it takes by keyword or ignores
-(`**_`). Estimators that need more say so by attributes: `needs_greedy_baseline` (each prompt's greedy score),
-`needs_values` (a critic's values; they take the per-token penalty as it is, the others see its sum per response),
-`compares_groups` (a baseline from the other responses to the prompt: `rollout.n` must be >= 2).
+Each estimator is an `AdvantageEstimator` registered under its config name (`algorithm.adv_estimator`), with its own
+settings (`algorithm.<name>.*`), which it takes as keywords, and what else it needs declared as fields:
+`needs_greedy_baseline` (each prompt's greedy score, as `baseline`), `needs_values` (a critic's values, as `values`, and
+the per-token penalty as it is, `token_penalty`; the others see its sum per response), `compares_groups` (a baseline
+from the other responses to the prompt: `rollout.n` must be >= 2).
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lorarl.trainer.algorithms.critic import gae_returns, last_token_rewards
-from lorarl.trainer.registry import Registry
+from lorarl.trainer.registry import Plugin, Registry, option
 
-AdvantageEstimator = Callable[..., Tensor]
-ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+@dataclass(frozen=True)
+class AdvantageEstimator(Plugin):
+    compares_groups: bool = False  # its baseline comes from the prompt's other responses
+    needs_values: bool = False  # it takes a critic's values (the trainer then trains one)
+    needs_greedy_baseline: bool = False  # it takes each prompt's greedy score
+
+
+ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator", AdvantageEstimator)
 register_advantage = ADVANTAGES.register
 
 
 def advantages(
-    estimator: str,
+    estimator: str | AdvantageEstimator,
     rewards: Tensor,
     group_index: Tensor,
     response_mask: Tensor,
     *,
-    norm_std: bool = True,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    eps: float = 1e-6,
     baseline: Tensor | None = None,
     values: Tensor | None = None,
     token_penalty: Tensor | None = None,
+    **settings,
 ) -> Tensor:
     """Per-token advantages `[N, R]` (zero on masked tokens) from one score per response (`rewards [N]`), by the
-    estimator registered as `estimator`. `baseline` `[N]`: the score of the prompt's greedy response, for the
-    estimators that ask for it (`needs_greedy_baseline`, e.g. ReMax); `values` `[N, R]`: the critic's, for those that
-    need them (`needs_values`: GAE). `token_penalty` `[N, R]` is subtracted from the rewards (the KL with
-    `kl_in_reward`): per token where the estimator takes values, else summed per response."""
-    fn = ADVANTAGES[estimator]
+    estimator registered as `estimator`, with its `settings` (the defaults of its settings dataclass for those not
+    given). `baseline` `[N]`: the score of the prompt's greedy response, for the estimators that ask for it (ReMax);
+    `values` `[N, R]`: the critic's, for those that need them (GAE). `token_penalty` `[N, R]` is subtracted from the
+    rewards (the KL with `kl_in_reward`): per token where the estimator takes values, else summed per response."""
+    entry = estimator if isinstance(estimator, AdvantageEstimator) else ADVANTAGES[estimator]
     mask = response_mask.bool()
     if rewards.dim() != 1 or group_index.shape != rewards.shape or mask.dim() != 2 or mask.shape[0] != rewards.numel():
         raise ValueError(
             f"expected rewards [N], group_index [N], response_mask [N, R]; got {tuple(rewards.shape)}, "
             f"{tuple(group_index.shape)}, {tuple(response_mask.shape)}"
         )
-    if getattr(fn, "needs_greedy_baseline", False) and (baseline is None or baseline.shape != rewards.shape):
-        raise ValueError(f"{estimator} needs baseline [N] (each prompt's greedy score), got "
+    if entry.needs_greedy_baseline and (baseline is None or baseline.shape != rewards.shape):
+        raise ValueError(f"{entry.name} needs baseline [N] (each prompt's greedy score), got "
                          f"{None if baseline is None else tuple(baseline.shape)}")  # fmt: skip
-    needs_values = getattr(fn, "needs_values", False)
-    if needs_values and (values is None or values.shape != mask.shape):
-        raise ValueError(f"{estimator} needs values [N, R] (a critic's), got "
+    if entry.needs_values and (values is None or values.shape != mask.shape):
+        raise ValueError(f"{entry.name} needs values [N, R] (a critic's), got "
                          f"{None if values is None else tuple(values.shape)}")  # fmt: skip
     rewards = rewards.to(torch.float32)
-    if token_penalty is not None and not needs_values:
+    if token_penalty is not None and not entry.needs_values:
         rewards, token_penalty = rewards - (token_penalty * mask).sum(1), None
-    options = {"norm_std": norm_std, "gamma": gamma, "lam": lam, "eps": eps}
-    extra = {"baseline": baseline, "values": values, "token_penalty": token_penalty}
-    options.update({key: value for key, value in extra.items() if value is not None})
-    return fn(rewards, group_index, mask, **options)
+    options = entry.keywords(settings)
+    if entry.needs_greedy_baseline:
+        options["baseline"] = baseline
+    if entry.needs_values:
+        options.update(values=values, token_penalty=token_penalty)
+    return entry(rewards, group_index, mask, **options)
+
+
+@dataclass
+class GroupNormSettings:
+    norm_std: bool = option(True, "divide the group-centred rewards by the group's std")
+    eps: float = option(1e-6, "added to the std before dividing", minimum=0.0)
+
+
+@dataclass
+class WhitenSettings:
+    eps: float = option(1e-6, "added to the batch's std before whitening", minimum=0.0)
+
+
+@dataclass
+class DiscountSettings:
+    gamma: float = option(1.0, "discount along the response", minimum=0.0, maximum=1.0)
+    eps: float = option(1e-6, "added to the batch's std before whitening", minimum=0.0)
+
+
+@dataclass
+class GaeSettings:
+    gamma: float = option(1.0, "discount along the response", minimum=0.0, maximum=1.0)
+    lam: float = option(1.0, "GAE's lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD", minimum=0.0,
+                        maximum=1.0)  # fmt: skip
+    eps: float = option(1e-6, "added to the batch's std before whitening", minimum=0.0)
 
 
 @dataclass(frozen=True)
@@ -107,8 +136,8 @@ def per_token(score: Tensor, mask: Tensor) -> Tensor:
     return score.float()[:, None] * mask
 
 
-@register_advantage("grpo")
-def grpo(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: bool, eps: float, **_) -> Tensor:
+@register_advantage("grpo", settings=GroupNormSettings, compares_groups=True)
+def grpo(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: bool, eps: float) -> Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A = (r - mean_group) / (std_group + eps), unbiased std; without
     `norm_std`, r - mean_group. A group of one has mean 0 and std 1."""
     stats = group_stats(rewards, group_index)
@@ -116,22 +145,22 @@ def grpo(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: bool, 
     return per_token(centred / (stats.std + eps) if norm_std else centred, mask)
 
 
-@register_advantage("drgrpo")
-def drgrpo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
+@register_advantage("drgrpo", compares_groups=True)
+def drgrpo(rewards: Tensor, group_index: Tensor, mask: Tensor) -> Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A = r - mean_group, no std division."""
     return per_token(group_stats(rewards, group_index).centred(rewards), mask)
 
 
-@register_advantage("rloo")
-def rloo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
+@register_advantage("rloo", compares_groups=True)
+def rloo(rewards: Tensor, group_index: Tensor, mask: Tensor) -> Tensor:
     """RLOO (Ahmadian et al. 2024): A = r - the mean of the other responses of the group = n/(n-1) (r - mean)."""
     stats = group_stats(rewards, group_index)
     scale = torch.where(stats.size > 1, stats.size / (stats.size - 1).clamp(min=1), 0.0)
     return per_token(stats.centred(rewards) * scale, mask)
 
 
-@register_advantage("opo")
-def opo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
+@register_advantage("opo", compares_groups=True)
+def opo(rewards: Tensor, group_index: Tensor, mask: Tensor) -> Tensor:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): A = r - Σ|y|·r / Σ|y| over the group,
     the length-weighted baseline that minimises the gradient's variance (a group of one: baseline 0)."""
     stats = group_stats(rewards, group_index)
@@ -141,8 +170,8 @@ def opo(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
     return per_token(torch.where(stats.tied & (stats.size > 1), 0.0, rewards.double() - baseline), mask)
 
 
-@register_advantage("gpg")
-def gpg(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
+@register_advantage("gpg", compares_groups=True)
+def gpg(rewards: Tensor, group_index: Tensor, mask: Tensor) -> Tensor:
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline"): A = α (r - mean_group),
     α = N / (responses with a non-zero reward), which rescales a batch diluted by zero-reward groups. Meant for the
     `gpg` policy loss (no ratio, no clip)."""
@@ -150,8 +179,8 @@ def gpg(rewards: Tensor, group_index: Tensor, mask: Tensor, **_) -> Tensor:
     return per_token(alpha * group_stats(rewards, group_index).centred(rewards), mask)
 
 
-@register_advantage("grpo_passk")
-def grpo_passk(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: bool, eps: float, **_) -> Tensor:
+@register_advantage("grpo_passk", settings=GroupNormSettings, compares_groups=True)
+def grpo_passk(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: bool, eps: float) -> Tensor:
     """Pass@k training (Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and Exploitation"
     arXiv:2503.19595 as verl implements it): only the best response of each group learns, with A = r_max - r_second
     (divided by the group's std + eps with `norm_std`); every other response gets 0."""
@@ -168,8 +197,8 @@ def grpo_passk(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: 
     return per_token(score, mask)
 
 
-@register_advantage("reinforce_pp")
-def reinforce_pp(rewards: Tensor, group_index: Tensor, mask: Tensor, *, gamma: float, eps: float, **_) -> Tensor:
+@register_advantage("reinforce_pp", settings=DiscountSettings)
+def reinforce_pp(rewards: Tensor, group_index: Tensor, mask: Tensor, *, gamma: float, eps: float) -> Tensor:
     """REINFORCE++ (Hu 2025): the score on the last response token, returns discounted by `gamma` along the
     response, whitened over the batch's tokens."""
     token_rewards = last_token_rewards(rewards, mask)
@@ -181,37 +210,27 @@ def reinforce_pp(rewards: Tensor, group_index: Tensor, mask: Tensor, *, gamma: f
     return whiten(returns * mask, mask, eps)
 
 
-@register_advantage("remax")
-def remax(rewards: Tensor, group_index: Tensor, mask: Tensor, *, baseline: Tensor, **_) -> Tensor:
+@register_advantage("remax", needs_greedy_baseline=True)
+def remax(rewards: Tensor, group_index: Tensor, mask: Tensor, *, baseline: Tensor) -> Tensor:
     """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning
     LLMs"): A = r - r(greedy response to the same prompt), on every token. The trainer samples that greedy response
     with each batch (one more generation per prompt)."""
     return per_token(rewards.double() - baseline.double(), mask)
 
 
-remax.needs_greedy_baseline = True
-
-
-@register_advantage("reinforce_pp_baseline")
-def reinforce_pp_baseline(rewards: Tensor, group_index: Tensor, mask: Tensor, *, eps: float, **_) -> Tensor:
+@register_advantage("reinforce_pp_baseline", settings=WhitenSettings, compares_groups=True)
+def reinforce_pp_baseline(rewards: Tensor, group_index: Tensor, mask: Tensor, *, eps: float) -> Tensor:
     """REINFORCE++-baseline (Hu 2025): r - mean_group at every token, whitened over the batch's tokens."""
     stats = group_stats(rewards, group_index)
     centred = torch.where(stats.size > 1, stats.centred(rewards), 0.0)  # a group of one: r - r
     return whiten(per_token(centred, mask), mask, eps)
 
 
-@register_advantage("gae")
+@register_advantage("gae", settings=GaeSettings, needs_values=True)
 def gae(rewards: Tensor, group_index: Tensor, mask: Tensor, *, values: Tensor, gamma: float, lam: float, eps: float,
-        token_penalty: Tensor | None = None, **_) -> Tensor:  # fmt: skip
+        token_penalty: Tensor | None = None) -> Tensor:  # fmt: skip
     """PPO's GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
     Estimation") on a critic's values: the score on the last token minus the per-token penalty, whitened over the
     batch's tokens (as verl's `compute_gae_advantage_return`)."""
     advantages, _ = gae_returns(rewards, values, mask, gamma=gamma, lam=lam, token_penalty=token_penalty)
     return whiten(advantages, mask, eps)
-
-
-gae.needs_values = True
-
-
-for _name in ("grpo", "drgrpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_pp_baseline"):
-    ADVANTAGES[_name].compares_groups = True  # with one response per prompt, every advantage is 0 (or r itself)

@@ -2,7 +2,7 @@
 
 from torch import Tensor
 
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from lorarl.trainer.schema import AGG_MODES
 
 
 def check_shapes(reference: str, **tensors: Tensor | None) -> None:

@@ -6,18 +6,19 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lorarl.trainer.registry import Registry
+from lorarl.trainer.registry import Plugin, Registry
 
-KL_ESTIMATORS: Registry[Callable[[Tensor], Tensor]] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[Plugin] = Registry("KL estimator")
 register_kl_estimator = KL_ESTIMATORS.register
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
-    """Per-token estimate of KL(π || π_ref) by the estimator registered as `kind`."""
-    fn = KL_ESTIMATORS[kind]
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str, settings=None) -> Tensor:
+    """Per-token estimate of KL(π || π_ref) by the estimator registered as `kind` (with its `settings`, if it has
+    any)."""
+    entry = KL_ESTIMATORS[kind]
     if logp.shape != ref_logp.shape:
         raise ValueError(f"ref_logp must have the shape of logp {tuple(logp.shape)}, got {tuple(ref_logp.shape)}")
-    return fn(logp - ref_logp)
+    return entry(logp - ref_logp, **entry.keywords(settings))
 
 
 @register_kl_estimator("k1")

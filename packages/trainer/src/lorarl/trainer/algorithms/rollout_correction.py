@@ -6,8 +6,7 @@ import torch
 from torch import Tensor
 
 from lorarl.trainer.algorithms.aggregation import check_shapes
-
-IS_LEVELS = ("token", "sequence", "token_mask", "sequence_reject")
+from lorarl.trainer.schema import IS_LEVELS
 
 
 def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, level: str, cap: float,

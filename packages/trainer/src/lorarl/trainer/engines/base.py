@@ -1,8 +1,9 @@
-"""What every rollout engine is to the trainer: the `RolloutEngine` protocol, the completions it returns, the
-capabilities it declares, and the `Worker` base that engine implementations (HF, vLLM) derive from.
+"""The engine contract, in one place: the `RolloutEngine` protocol (every call the trainer makes), the sampling
+parameters and completions, the capabilities an engine declares, the `Worker` base that engine implementations (HF,
+vLLM, a plugin's) derive from, and their registry.
 
 An engine is a *worker* (what generates: `hf.py`, `vllm_worker.py`) in a *placement* (where it runs: `inline.py` in
-the trainer's process, `process.py` in a process of its own, `ray.py` as Ray actors). Every completion says which
+the trainer's process, `process.py` in a process of its own, `ray_actors.py` as Ray actors). Every completion says which
 weight version produced it, so the trainer never trains on rollouts of stale weights.
 """
 
@@ -13,7 +14,29 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.registry import Plugin, Registry
 from lorarl.weight_sync import SyncStats, TensorSpec
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's responses: `n` per prompt, greedy when `temperature` is 0, seeded (the same
+    request, the same samples: what makes a resumed run repeat an uninterrupted one)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n < 1 or self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"expected n >= 1, max_tokens >= 1, temperature >= 0 and 0 < top_p <= 1; got {self}")
+        if self.temperature == 0 and self.n != 1:
+            raise ValueError(f"greedy decoding (temperature=0) gives one response per prompt, got n={self.n}")
+
+
+GREEDY = SamplingParams(n=1, temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -27,7 +50,7 @@ class Completion:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What an engine can do beyond the protocol's core (the trainer asks these, never `hasattr`)."""
+    """What an engine can do beyond the protocol's core; the trainer reads these, never infers them."""
 
     sleep: bool = False  # `sleep()` frees its device while the trainer trains; the next sync wakes it
     background: bool = False  # `submit()` returns at once and generates beside the caller (`rollout.overlap`)
@@ -35,17 +58,20 @@ class Capabilities:
 
 
 class RolloutEngine(Protocol):
+    """Every call the trainer makes to a rollout engine, whatever runs it (`inline.py`, `process.py`,
+    `ray_actors.py`). Each sync installs one weight version whole or fails leaving the previous one serving; every
+    completion carries the version that produced it."""
+
     version: int  # the weights it generates with (0: those it loaded from disk)
     capabilities: Capabilities
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> list[Completion]: ...
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        """`sampling.n` completions per prompt, prompt by prompt, in order."""
+        ...
 
-    def submit(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> Callable[[], list[Completion]]:
-        """`generate`, returning what waits for its completions (called before any other request to the engine)."""
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
+        """`generate`, returning what waits for its completions (called before any other request to the engine);
+        with `capabilities.background` it generates while the caller goes on."""
         ...
 
     def sync_weights(
@@ -63,9 +89,14 @@ class RolloutEngine(Protocol):
         the pristine base weights it keeps (which the first set carries)."""
         ...
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        """With `capabilities.sleep`: free the device while the trainer trains."""
+        ...
 
-    def checksum(self) -> str: ...
+    def checksum(self) -> str:
+        """With `capabilities.checksum`: a digest of its weights, equal to `engines.hf.checksum` of the trainer's
+        merged weights when they are bit-identical."""
+        ...
 
     def close(self) -> None: ...
 
@@ -73,22 +104,20 @@ class RolloutEngine(Protocol):
 class SubmitsInBackground:
     """`generate` as `submit`, then wait: for the placements whose worker generates beside the caller."""
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> list[Completion]:
-        return self.submit(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        return self.submit(prompts, sampling)()
 
 
 class GeneratesWhenAsked:
     """`submit` that generates at once and hands back the result: for engines that share the trainer's process or
     device, where nothing could overlap with training."""
 
-    def submit(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> Callable[[], list[Completion]]:
-        completions = self.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                    seed=seed)  # fmt: skip
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
+        completions = self.generate(prompts, sampling)
         return lambda: completions
+
+    def sleep(self) -> None:
+        """Nothing to free: it has no `sleep` capability."""
 
 
 class EngineError(TrainerError):
@@ -111,20 +140,53 @@ class EngineContext:
     sequence_tokens: int = 2048  # the longest of them: prompt and response, in tokens
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker starts from unless it builds its own settings (`Worker.settings`): its engine's settings
+    (`rollout.<engine>.*`) and the trainer's context, with what a placement reads (`timeout`, `sync_backend`,
+    `sync_ranks`, `dtype`, `device`)."""
+
+    own: Any
+    context: EngineContext
+    timeout: float = 600.0
+    sync_ranks: int = 1  # ranks it takes in a sync group
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.context.dtype
+
+    @property
+    def device(self) -> str:
+        return self.context.device
+
+    @property
+    def sync_backend(self) -> str:
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+
 class Worker:
-    """An engine implementation: builds its model from typed settings and generates. A placement drives it —
-    `inline` calls it in this process (`load_weights`, `serve_adapter`, `serve_factors`: no wire), `process` and
-    `ray` over a sync group (`join`, then `receive` / `receive_adapter` / `receive_factors` for each version).
-    Registered by name with `engines.register_engine`, which makes the name a choice of `rollout.engine`."""
+    """An engine implementation, built from its settings (`settings()`), driven by a placement:
+    - inline, in the trainer's process: `generate`, `load_weights`, `serve_adapter`, `serve_factors` (no wire);
+    - in a process or Ray actor of its own: `generate`, and over a sync group `join`, then `receive`,
+      `receive_adapter` or `receive_factors` for each version (each returns the version it now serves).
+    A method an engine lacks raises, naming the sync mode it cannot serve. Registered by name with
+    `@register_engine("name", settings=...)`: the name becomes a choice of `rollout.engine`, its settings
+    `rollout.<name>.*`."""
 
     capabilities: ClassVar[Capabilities] = Capabilities()
     version: int
 
     @classmethod
-    def settings(cls, rollout: Any, context: EngineContext) -> Any:
-        """This worker's settings (a picklable dataclass with `timeout`, `sync_backend` and `sync_ranks`) from the
-        `rollout` config section and the trainer's context."""
-        raise NotImplementedError
+    def settings(cls, own: Any, context: EngineContext) -> Any:
+        """This worker's (picklable) settings, from its engine's settings and the trainer's context: they carry
+        `timeout`, `sync_backend`, `sync_ranks`, `dtype` and `device`, which the placements read."""
+        return WorkerSettings(own, context)
+
+    @classmethod
+    def needs_own_process(cls, own: Any) -> bool:
+        """Whether these settings ask for a process of its own even with `rollout.worker=inline` (devices of its
+        own)."""
+        return False
 
     @classmethod
     def inline(cls, settings: Any, *, bucket_bytes: int) -> RolloutEngine:
@@ -133,14 +195,45 @@ class Worker:
 
         return InlineEngine(cls(settings))
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         raise NotImplementedError
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     manifest: Sequence[TensorSpec | tuple]) -> SyncStats:  # fmt: skip
+        raise EngineError(f"{type(self).__name__} cannot load merged weights in the trainer's process")
+
+    def serve_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> int:
+        raise EngineError(f"{type(self).__name__} cannot serve an adapter (rollout.sync=adapter)")
+
+    def serve_factors(self, tensors: dict[str, torch.Tensor], version: int, share: bool = False) -> int:
+        raise EngineError(f"{type(self).__name__} cannot merge LoRA factors (rollout.sync=factors)")
+
+    def join(self, host: str, port: int, world_size: int, rank: int) -> int:
+        raise EngineError(f"{type(self).__name__} cannot run in a process of its own (rollout.worker=process)")
+
+    def receive(self, version: int) -> int:
+        raise EngineError(f"{type(self).__name__} cannot receive merged weights over a sync group")
+
+    def receive_adapter(self, version: int) -> int:
+        raise EngineError(f"{type(self).__name__} cannot receive an adapter (rollout.sync=adapter)")
+
+    def receive_factors(self, version: int) -> int:
+        raise EngineError(f"{type(self).__name__} cannot receive LoRA factors (rollout.sync=factors)")
 
     def checksum(self) -> str:
         raise EngineError(f"{type(self).__name__} has no weights checksum comparable to the trainer's")
 
     def close(self) -> None:
         """Release what the worker holds beyond its memory (an engine's processes, files); nothing by default."""
+
+
+@dataclass(frozen=True)
+class Engine(Plugin):
+    """A registered rollout engine: `target` is its `Worker` class."""
+
+
+ENGINES: Registry[Engine] = Registry("rollout engine", Engine)
+register_engine = ENGINES.register
 
 
 def agreed(values: list, what: str):

@@ -15,9 +15,23 @@ import torch
 
 from lorarl.trainer import cpu_attention
 from lorarl.trainer.decode import decode
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, Worker
+from lorarl.trainer.engines.base import (
+    Capabilities,
+    Completion,
+    EngineContext,
+    EngineError,
+    SamplingParams,
+    Worker,
+    register_engine,
+)
+from lorarl.trainer.registry import option
 from lorarl.weight_sync import BucketReceiver, SyncStats, TensorSpec, copy_into, create_sync_group, save_adapter
 from lorarl.weight_sync.factors import FactorMerger, read_factor_set
+
+
+@dataclass
+class HFEngineSettings:
+    batch_size: int = option(256, "sequences generated at once", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -34,17 +48,19 @@ class HFSettings:
     sync_ranks: int = 1
 
 
+@register_engine("hf", settings=HFEngineSettings)
 class HFWorker(Worker):
-    """The model, and (in a process or actor of its own) its end of the weight-sync group."""
+    """A Hugging Face model with lorarl's decode loop (CPU or GPU), and in a process or actor of its own its end of
+    the weight-sync group."""
 
     capabilities = Capabilities(checksum=True)
 
     @classmethod
-    def settings(cls, rollout, context: EngineContext) -> HFSettings:
+    def settings(cls, own: HFEngineSettings, context: EngineContext) -> HFSettings:
         # generating on the CPU beside the training (rollout.overlap): one core, so the two do not oversubscribe
         threads = 1 if context.overlap and context.device == "cpu" else None
         return HFSettings(context.model_path, context.dtype, context.device, context.eos_token_id,
-                          context.pad_token_id, rollout.batch_size, threads)  # fmt: skip
+                          context.pad_token_id, own.batch_size, threads)  # fmt: skip
 
     def __init__(self, settings: HFSettings):
         from transformers import AutoModelForCausalLM
@@ -60,9 +76,9 @@ class HFWorker(Worker):
         self.adapter = None  # a peft model around self.model while an adapter is served unmerged
         self.factors = FactorMerger(settings.dtype)  # the pristine base weights of the factor sync
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
-        return generate_with_hf(model, self.settings, self.version, prompts, n, temperature, top_p, max_tokens, seed)
+        return generate_with_hf(model, self.settings, self.version, prompts, sampling)
 
     # --- in the trainer's process ---------------------------------------------------------------------------------
 
@@ -154,21 +170,20 @@ def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def generate_with_hf(
-    model, settings: HFSettings, version, prompts, n, temperature, top_p, max_tokens, seed
+    model, settings: HFSettings, version: int, prompts: Sequence[Sequence[int]], sampling: SamplingParams
 ) -> list[Completion]:
-    """`n` responses per prompt (greedy when temperature is 0), batched, seeded: the same call, the same samples
-    (what makes a resumed run repeat an uninterrupted one)."""
-    eos, pad, device = settings.eos, settings.pad, settings.device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    """`sampling.n` responses per prompt, batched, seeded."""
+    eos, pad, device, n = settings.eos, settings.pad, settings.device, sampling.n
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
     completions = []
     per_batch = max(1, settings.batch_size // n)
     for start in range(0, len(prompts), per_batch):
-        chunk = prompts[start : start + per_batch]
+        chunk = [list(p) for p in prompts[start : start + per_batch]]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        tokens, logp = decode(model, ids, mask, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              eos=eos, pad=pad, generator=generator)  # fmt: skip
+        tokens, logp = decode(model, ids, mask, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                              top_p=sampling.top_p, eos=eos, pad=pad, generator=generator)  # fmt: skip
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
             finished = eos in row_tokens
             length = row_tokens.index(eos) + 1 if finished else len(row_tokens)

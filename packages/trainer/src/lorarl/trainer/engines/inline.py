@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, GeneratesWhenAsked, Worker
+from lorarl.trainer.engines.base import Capabilities, Completion, GeneratesWhenAsked, SamplingParams, Worker
 from lorarl.weight_sync import SyncStats, TensorSpec
 
 
@@ -18,10 +18,8 @@ class InlineEngine(GeneratesWhenAsked):
         self.version = worker.version
         self.capabilities = Capabilities(checksum=worker.capabilities.checksum)
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> list[Completion]:
-        return self.worker.generate([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        return self.worker.generate([list(p) for p in prompts], sampling)
 
     def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]

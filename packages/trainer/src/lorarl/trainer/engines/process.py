@@ -4,6 +4,7 @@ beside the trainer (`submit` returns at once), which `rollout.overlap` uses."""
 
 import contextlib
 import multiprocessing as mp
+import signal
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -11,7 +12,7 @@ from functools import partial
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SamplingParams, SubmitsInBackground
 from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, TransferError, create_sync_group, free_port
 from lorarl.weight_sync.factors import narrowed_base
 
@@ -74,6 +75,8 @@ class FedOverGroup:
 
 
 class ProcessEngine(SubmitsInBackground, FedOverGroup):
+    """A worker in a process of its own (spawned: its class must be importable there, by module or plugin file)."""
+
     def __init__(self, worker_class: type, settings, *, bucket_bytes: int):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -88,10 +91,8 @@ class ProcessEngine(SubmitsInBackground, FedOverGroup):
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = self._reply("start")
 
-    def submit(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> Callable[[], list[Completion]]:
-        self._conn.send(("generate", ([list(p) for p in prompts], n, temperature, top_p, max_tokens, seed)))
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
+        self._conn.send(("generate", ([list(p) for p in prompts], sampling)))
         return lambda: self._reply("generate")
 
     def _sync(self, command: str, version: int, send) -> SyncStats:
@@ -109,6 +110,9 @@ class ProcessEngine(SubmitsInBackground, FedOverGroup):
     def checksum(self) -> str:
         self._conn.send(("checksum", ()))
         return self._reply("checksum")
+
+    def sleep(self) -> None:
+        """Nothing to free: a process of its own holds its own device."""
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -148,8 +152,17 @@ class ProcessEngine(SubmitsInBackground, FedOverGroup):
         return value
 
 
+def ignore_stop_signals() -> None:
+    """In a helper process (engine, reward scorer): SIGINT and SIGTERM sent to the whole process group are left to
+    the trainer, which finishes its step, checkpoints, and then ends its helpers."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _serve(conn, worker_class: type, settings, port: int) -> None:
-    """The engine process: build the worker, join the sync group, then answer commands until "close"."""
+    """The engine process: build the worker, join the sync group, then answer commands until "close" (or until the
+    trainer is gone). A signal to the process group is the trainer's to handle: it closes the engine when it stops."""
+    ignore_stop_signals()
     try:
         worker = worker_class(settings)
         conn.send(("ok", worker.join("127.0.0.1", port, 1 + settings.sync_ranks, 1)))
@@ -159,7 +172,10 @@ def _serve(conn, worker_class: type, settings, port: int) -> None:
     commands = {"generate": worker.generate, "receive": worker.receive, "receive_adapter": worker.receive_adapter,
                 "receive_factors": worker.receive_factors, "checksum": worker.checksum}  # fmt: skip
     while True:
-        command, args = conn.recv()
+        try:
+            command, args = conn.recv()
+        except EOFError:  # the trainer died
+            command = "close"
         if command == "close":
             worker.close()
             return

@@ -7,7 +7,14 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SubmitsInBackground, agreed
+from lorarl.trainer.engines.base import (
+    Capabilities,
+    Completion,
+    EngineError,
+    SamplingParams,
+    SubmitsInBackground,
+    agreed,
+)
 from lorarl.trainer.engines.process import FedOverGroup, join_sync_group, sync_sender
 from lorarl.weight_sync import SyncStats, free_port
 
@@ -62,14 +69,12 @@ class RayEngines(SubmitsInBackground, FedOverGroup):
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = agreed(self._get(joined, "start"), "weights version")
 
-    def submit(
-        self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> Callable[[], list[Completion]]:
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
         """Contiguous slices of the prompts, one per replica (each seeded by `seed` and its index), in order."""
         size = -(-len(prompts) // len(self.actors))
         starts = range(0, len(prompts), size)
-        futures = [actor.generate.remote([list(p) for p in prompts[start : start + size]], n, temperature, top_p,
-                                         max_tokens, seed + 7919 * i)
+        futures = [actor.generate.remote([list(p) for p in prompts[start : start + size]],
+                                         dataclasses.replace(sampling, seed=sampling.seed + 7919 * i))
                    for i, (actor, start) in enumerate(zip(self.actors, starts, strict=False))]  # fmt: skip
 
         def wait() -> list[Completion]:
@@ -98,6 +103,9 @@ class RayEngines(SubmitsInBackground, FedOverGroup):
             except ray.exceptions.RayError as e:
                 return str(e)
         return None
+
+    def sleep(self) -> None:
+        """Nothing to free: the actors hold their own devices."""
 
     def checksum(self) -> str:
         return agreed(self._get([actor.checksum.remote() for actor in self.actors], "checksum"), "weights")

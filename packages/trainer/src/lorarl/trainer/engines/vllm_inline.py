@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, GeneratesWhenAsked
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, GeneratesWhenAsked, SamplingParams
 from lorarl.trainer.engines.vllm_worker import VllmServing, VllmSettings, start_llm
 from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, TensorSpec
 from lorarl.weight_sync.vllm import OfflineClient, VllmWeightTransfer
@@ -43,13 +43,13 @@ class InlineVllmEngine(GeneratesWhenAsked):
     def version(self) -> int:
         return self.serving.version
 
-    def generate(self, prompts, *, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         if self.asleep:
             if self.sleep_level == 2:
                 raise EngineError("the inline vLLM engine freed its weights to sleep: sync weights before generating")
             self.serving.llm.wake_up()
             self.asleep = False
-        return self.serving.generate(prompts, n, temperature, top_p, max_tokens, seed)
+        return self.serving.generate(prompts, sampling)
 
     def sleep(self) -> None:
         """Free the GPU for training (see the module docstring for what each mode keeps)."""

@@ -28,10 +28,35 @@ from typing import TypeVar
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, RolloutEngine, Worker
+from lorarl.trainer.engines.base import (
+    Capabilities,
+    Completion,
+    EngineContext,
+    EngineError,
+    RolloutEngine,
+    SamplingParams,
+    Worker,
+    register_engine,
+)
+from lorarl.trainer.registry import option
 from lorarl.weight_sync.vllm import BACKEND, INCOMPLETE, OfflineClient, adapter_path, update_round
 
 T = TypeVar("T")
+
+
+@dataclass
+class VllmEngineSettings:
+    tensor_parallel_size: int = option(1, "GPUs per engine (its workers shard the received weights)", minimum=1)
+    gpu_memory_utilization: float = option(0.5, "share of each engine GPU vLLM may use", minimum=0.05, maximum=1.0)
+    max_model_len: int | None = option(None, "context length (None: the model's)")
+    kv_cache_gb: float | None = option(None, "KV cache of an engine on the CPU, GiB (None: what a step's rollouts "
+                                       "need, data.batch_size x rollout.n sequences of data.max_prompt_tokens + "
+                                       "rollout.max_tokens tokens; on GPUs gpu_memory_utilization decides)",
+                                       minimum=0.01)  # fmt: skip
+    enforce_eager: bool | None = option(None, "without compiled graphs (None: eager on the CPU, where compiling takes "
+                                        "minutes; graphs on GPUs)")  # fmt: skip
+    devices: str | None = option(None, "GPUs of a local engine (CUDA_VISIBLE_DEVICES; it then runs in a process of "
+                                 "its own); None = the trainer's")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -97,13 +122,12 @@ def start_llm(settings: VllmSettings, **extra):
     return LLM(**engine_args(settings), **extra)
 
 
-def sampling_args(*, n: int, temperature: float, top_p: float, max_tokens: int, seed: int) -> dict:
+def sampling_args(sampling: SamplingParams) -> dict:
     """Keyword arguments of `vllm.SamplingParams`: the sampled token's log-prob at each step, token ids only."""
-    greedy = temperature == 0
-    if greedy and n != 1:
-        raise ValueError(f"greedy decoding (temperature=0) gives one response per prompt, got n={n}")
-    return {"n": n, "temperature": 0.0 if greedy else temperature, "top_p": 1.0 if greedy else top_p,
-            "max_tokens": max_tokens, "seed": seed, "logprobs": 0, "detokenize": False}  # fmt: skip
+    greedy = sampling.temperature == 0
+    return {"n": sampling.n, "temperature": 0.0 if greedy else sampling.temperature,
+            "top_p": 1.0 if greedy else sampling.top_p, "max_tokens": sampling.max_tokens, "seed": sampling.seed,
+            "logprobs": 0, "detokenize": False}  # fmt: skip
 
 
 def to_completions(outputs: Sequence, version: int) -> list[Completion]:
@@ -158,15 +182,14 @@ class VllmServing:
         self._lora_ids = itertools.count(1)  # a fresh id per adapter: vLLM serves a reused id's old adapter
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-"))  # where the workers write adapters
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
-        """`n` responses per prompt, seeded, with the served adapter, if any."""
-        from vllm import SamplingParams
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        """`sampling.n` responses per prompt, seeded, with the served adapter, if any."""
+        import vllm
         from vllm.inputs import TokensPrompt
 
         if self.refusal:
             raise EngineError(f"the vLLM engine refuses to generate until a version is applied whole: {self.refusal}")
-        params = SamplingParams(**sampling_args(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                                seed=seed))  # fmt: skip
+        params = vllm.SamplingParams(**sampling_args(sampling))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
         return to_completions(outputs, self.version)
@@ -205,20 +228,25 @@ class VllmServing:
         shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
+@register_engine("vllm", settings=VllmEngineSettings)
 class VllmWorker(Worker):
-    """A vLLM engine as a rollout worker in a process or Ray actor of its own, fed over a sync group (gloo on the
-    CPU, NCCL on GPUs). (vLLM holds its weights fused and sharded: no checksum comparable to the trainer's.)"""
+    """vLLM (GPUs, or its CPU build): as a rollout worker in a process or Ray actor of its own, fed over a sync group
+    (gloo on the CPU, NCCL on GPUs); inline, `InlineVllmEngine`. (vLLM holds its weights fused and sharded: no
+    checksum comparable to the trainer's.)"""
 
     @classmethod
-    def settings(cls, rollout, context: EngineContext) -> VllmSettings:
-        max_model_len, kv_cache_gb = rollout.max_model_len, rollout.kv_cache_gb
+    def settings(cls, own: VllmEngineSettings, context: EngineContext) -> VllmSettings:
+        max_model_len, kv_cache_gb = own.max_model_len, own.kv_cache_gb
         if not context.device.startswith("cuda") and kv_cache_gb is None:  # what a step's rollouts need
             max_model_len, kv_cache_gb = kv_cache_for(context.model_path, context.dtype, context.sequences,
                                                       max_model_len or context.sequence_tokens)  # fmt: skip
-        return VllmSettings(context.model_path, context.dtype, rollout.tensor_parallel_size,
-                            rollout.gpu_memory_utilization, max_model_len, context.seed, context.adapter_rank,
-                            rollout.devices, device=context.device, kv_cache_gb=kv_cache_gb or 2.0,
-                            enforce_eager=rollout.enforce_eager)  # fmt: skip
+        return VllmSettings(context.model_path, context.dtype, own.tensor_parallel_size, own.gpu_memory_utilization,
+                            max_model_len, context.seed, context.adapter_rank, own.devices, device=context.device,
+                            kv_cache_gb=kv_cache_gb or 2.0, enforce_eager=own.enforce_eager)  # fmt: skip
+
+    @classmethod
+    def needs_own_process(cls, own: VllmEngineSettings) -> bool:
+        return own.devices is not None
 
     @classmethod
     def inline(cls, settings: VllmSettings, *, bucket_bytes: int) -> RolloutEngine:
@@ -245,8 +273,8 @@ class VllmWorker(Worker):
         self.serving.llm.init_weight_transfer_engine({"init_info": info})
         return self.version
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seed) -> list[Completion]:
-        return self.serving.generate(prompts, n, temperature, top_p, max_tokens, seed)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        return self.serving.generate(prompts, sampling)
 
     def receive(self, version: int) -> int:
         self.serving.update_round(version)

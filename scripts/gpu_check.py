@@ -3,10 +3,10 @@ is lent: their own `python3` with torch, transformers, peft, triton, accelerate,
 nothing else (no uv, no package registry, no vLLM). From the root of a checkout:
 
     PYTHONPATH=packages/lora_merge/src:packages/padding/src:packages/weight_sync/src:packages/trainer/src \\
-        python3 benchmarks/gpu_check.py --out gpu-check
+        python3 scripts/gpu_check.py --out gpu-check
 
 The trainer's pure-Python dependencies such a machine lacks are packed beforehand, where they are installed, by
-`uv run python benchmarks/gpu_check.py --pack-vendor` into `gpu-vendor/` (git-ignored: carried beside the checkout);
+`uv run python scripts/gpu_check.py --pack-vendor` into `gpu-vendor/` (git-ignored: carried beside the checkout);
 the checks find them there.
 
 Each check runs in a process of its own under a time limit, so one that fails, hangs or crashes the GPU does not
