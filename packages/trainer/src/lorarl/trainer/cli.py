@@ -87,10 +87,9 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _leave_process_group() -> None:
-    """Data-parallel ranks (torchrun) leave their group cleanly."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    """Data-parallel ranks (torchrun) leave their group cleanly (a run that never imported torch has none)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -48,18 +48,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), prese
     file), then the YAML file, then `key=value` overrides. Plugins named by import path are loaded first, so that
     their settings are keys."""
     layers = _layers(path, overrides, presets)
+    _merged(Config, [_without_pieces(layer) for layer in layers])  # the fixed keys first: no registry, no torch yet
     schema = config_class(layers)
+    config = OmegaConf.to_object(_merged(schema, layers))
+    validation.check(config, schema)
+    return config
+
+
+def _merged(schema: type, layers: list):
+    """`layers` merged onto `schema`'s defaults; an unknown key or a wrong type raises naming the key."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), *layers)
+        return OmegaConf.merge(OmegaConf.structured(schema), *layers)
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = _full_key(e)
         raise ConfigError(f"unknown key {key!r}{_closest(key, schema)}") from None
     except ValidationError as e:
         key = _full_key(e)
         raise ConfigError(f"{key}: {e.msg.splitlines()[0]} (expected {_type_name(_field_type(key, schema))})") from None
-    config = OmegaConf.to_object(merged)
-    validation.check(config, schema)
-    return config
+
+
+def _without_pieces(layer):
+    """`layer` without what may be a piece's settings (a mapping under a name the fixed schema lacks)."""
+    fixed = {f.name: {g.name for g in fields(f.type)} for f in fields(Config)}
+    plain = OmegaConf.to_container(layer)
+    for section, keys in plain.items():
+        if section in fixed and isinstance(keys, dict):
+            plain[section] = {k: v for k, v in keys.items() if k in fixed[section] or not isinstance(v, dict)}
+    return OmegaConf.create(plain)
 
 
 def _layers(path: str | Path | None, overrides: list[str], presets: dict | None) -> list:
