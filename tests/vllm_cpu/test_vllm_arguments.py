@@ -99,7 +99,8 @@ def test_completions_from_vllm_outputs_carry_the_version_vllm_recorded():
 
 
 def test_on_the_cpu_the_kv_cache_holds_a_steps_rollouts_and_no_more():
-    from lorarl.trainer.engines.vllm_worker import VllmEngineSettings, VllmWorker, kv_cache_for
+    from lorarl.trainer.engines import VllmEngineSettings
+    from lorarl.trainer.engines.vllm_worker import VllmWorker, kv_cache_for
 
     # the embedded default: 3 layers, 2 KV heads of 32, float32, contexts of at most 32 positions
     tokens, gib = kv_cache_for(str(default_task.MODEL_DIR), torch.float32, sequences=256, tokens=520)

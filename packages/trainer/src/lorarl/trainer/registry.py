@@ -134,6 +134,8 @@ class Registry(Generic[P]):
             return None
 
     def _load(self, spec: str) -> P:
+        if spec in self._by_target:  # an entry registered by its import path (imported when used)
+            return self._by_target[spec]
         found = import_object(spec)
         if (entry := self.entry_of(found)) is not None:
             return entry

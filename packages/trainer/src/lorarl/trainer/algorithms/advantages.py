@@ -7,13 +7,17 @@ the per-token penalty as it is, `token_penalty`; the others see its sum per resp
 from the other responses to the prompt: `rollout.n` must be >= 2).
 """
 
-from dataclasses import dataclass
+from __future__ import annotations
 
-import torch
-from torch import Tensor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lorarl.trainer.algorithms.critic import gae_returns, last_token_rewards
+from lorarl.trainer.lazy import torch
 from lorarl.trainer.registry import Plugin, Registry, option
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True)

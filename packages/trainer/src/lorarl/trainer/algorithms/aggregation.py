@@ -1,8 +1,13 @@
 """The one loss aggregation: per-token values `[N, R]` to a scalar, by `algorithm.loss_agg_mode`."""
 
-from torch import Tensor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from lorarl.trainer.schema import AGG_MODES
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def check_shapes(reference: str, **tensors: Tensor | None) -> None:

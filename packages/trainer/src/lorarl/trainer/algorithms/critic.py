@@ -2,10 +2,15 @@
 Using Generalized Advantage Estimation"), and the clipped value loss (as verl's `compute_gae_advantage_return` and
 `compute_value_loss`). Per-token tensors are `[N, R]`, aligned with `response_mask`."""
 
-import torch
-from torch import Tensor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from lorarl.trainer.algorithms.aggregation import aggregate, check_shapes
+from lorarl.trainer.lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def last_token_rewards(rewards: Tensor, response_mask: Tensor) -> Tensor:

@@ -1,10 +1,15 @@
 """DAPO's (Yu et al. 2025) changes to what the policy trains on: dynamic sampling keeps only groups whose rewards
 differ; a soft overlong punishment lowers the reward of responses near the length limit."""
 
-import torch
-from torch import Tensor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from lorarl.trainer.algorithms.advantages import group_stats
+from lorarl.trainer.lazy import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:

@@ -1,12 +1,16 @@
 """KL estimators (Schulman 2020, "Approximating KL divergence"): per-token estimates of KL(π || π_ref) from the
 log-probs of the sampled tokens, registered under their config names (`algorithm.kl_estimator`)."""
 
+from __future__ import annotations
+
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
+from lorarl.trainer.lazy import torch
 from lorarl.trainer.registry import Plugin, Registry
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 KL_ESTIMATORS: Registry[Plugin] = Registry("KL estimator")
 register_kl_estimator = KL_ESTIMATORS.register

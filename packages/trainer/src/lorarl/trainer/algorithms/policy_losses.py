@@ -8,14 +8,17 @@ the metrics). `policy_loss()` checks the inputs, applies the rollout-correction 
 (`aggregation.aggregate`) and measures.
 """
 
-from dataclasses import dataclass
-from typing import Any
+from __future__ import annotations
 
-import torch
-from torch import Tensor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from lorarl.trainer.algorithms.aggregation import aggregate, check_shapes
+from lorarl.trainer.lazy import torch
 from lorarl.trainer.registry import Plugin, Registry, option
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 POLICY_LOSSES: Registry[Plugin] = Registry("policy loss")
 register_policy_loss = POLICY_LOSSES.register

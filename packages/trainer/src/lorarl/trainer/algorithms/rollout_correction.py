@@ -2,11 +2,16 @@
 samples drawn by the engine (π_rollout) are trained as if drawn by the trainer's policy (π_old); truncated importance
 weights correct for the difference, and the mismatch is measured."""
 
-import torch
-from torch import Tensor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from lorarl.trainer.algorithms.aggregation import check_shapes
+from lorarl.trainer.lazy import torch
 from lorarl.trainer.schema import IS_LEVELS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, level: str, cap: float,

@@ -13,6 +13,7 @@ of its own, `rollout.worker=process`, or a vLLM engine on `rollout.vllm.devices`
 the config to an engine. The contract is `base.py`.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 from lorarl.trainer.engines.base import (
@@ -29,8 +30,35 @@ from lorarl.trainer.engines.base import (
     WorkerSettings,
     register_engine,
 )
-from lorarl.trainer.engines.hf import HFWorker
-from lorarl.trainer.engines.vllm_worker import VllmWorker
+from lorarl.trainer.registry import option
+
+
+@dataclass
+class HFEngineSettings:
+    batch_size: int = option(256, "sequences generated at once", minimum=1)
+
+
+@dataclass
+class VllmEngineSettings:
+    tensor_parallel_size: int = option(1, "GPUs per engine (its workers shard the received weights)", minimum=1)
+    gpu_memory_utilization: float = option(0.5, "share of each engine GPU vLLM may use", minimum=0.05, maximum=1.0)
+    max_model_len: int | None = option(None, "context length (None: the model's)")
+    kv_cache_gb: float | None = option(None, "KV cache of an engine on the CPU, GiB (None: what a step's rollouts "
+                                       "need, data.batch_size x rollout.n sequences of data.max_prompt_tokens + "
+                                       "rollout.max_tokens tokens; on GPUs gpu_memory_utilization decides)",
+                                       minimum=0.01)  # fmt: skip
+    enforce_eager: bool | None = option(None, "without compiled graphs (None: eager on the CPU, where compiling takes "
+                                        "minutes; graphs on GPUs)")  # fmt: skip
+    devices: str | None = option(None, "GPUs of a local engine (CUDA_VISIBLE_DEVICES; it then runs in a process of "
+                                 "its own); None = the trainer's")  # fmt: skip
+
+
+register_engine("hf", settings=HFEngineSettings, about="a Hugging Face model with lorarl's decode loop, CPU or GPU")(
+    "lorarl.trainer.engines.hf:HFWorker"
+)
+register_engine("vllm", settings=VllmEngineSettings, about="vLLM, on GPUs or (its CPU build) the CPU")(
+    "lorarl.trainer.engines.vllm_worker:VllmWorker"
+)
 
 
 def placement(rollout: Any, backend: str) -> str:
@@ -39,7 +67,7 @@ def placement(rollout: Any, backend: str) -> str:
     if backend == "ray":
         return "ray"
     engine = ENGINES[rollout.engine]
-    if rollout.worker == "process" or engine.target.needs_own_process(engine.settings_in(rollout)):
+    if rollout.worker == "process" or engine.worker.needs_own_process(engine.settings_in(rollout)):
         return "process"
     return "inline"
 
@@ -49,7 +77,7 @@ def start_engine(
 ) -> RolloutEngine:
     """The engine the `rollout` config section describes, started, with the capabilities the config asks for."""
     engine = ENGINES[rollout.engine]
-    worker = engine.target
+    worker = engine.worker
     settings = worker.settings(engine.settings_in(rollout), context)
     bucket_bytes = rollout.bucket_mb << 20
     where = placement(rollout, backend)
@@ -72,7 +100,7 @@ def start_engine(
 
 
 __all__ = [
-    "ENGINES", "GREEDY", "Capabilities", "Completion", "Engine", "EngineContext", "EngineError", "HFWorker",
-    "RolloutEngine", "SamplingParams", "VllmWorker", "Worker", "WorkerSettings", "placement", "register_engine",
+    "ENGINES", "GREEDY", "Capabilities", "Completion", "Engine", "EngineContext", "EngineError", "HFEngineSettings",
+    "RolloutEngine", "SamplingParams", "VllmEngineSettings", "Worker", "WorkerSettings", "placement", "register_engine",
     "start_engine",
 ]  # fmt: skip

@@ -7,15 +7,19 @@ the trainer's process, `process.py` in a process of its own, `ray_actors.py` as 
 weight version produced it, so the trainer never trains on rollouts of stale weights.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from lorarl.trainer.errors import TrainerError
-from lorarl.trainer.registry import Plugin, Registry
-from lorarl.weight_sync import SyncStats, TensorSpec
+from lorarl.trainer.registry import Plugin, Registry, import_object
+
+if TYPE_CHECKING:  # (the configuration reads this module: no torch at import)
+    import torch
+
+    from lorarl.weight_sync import SyncStats, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,19 @@ class Worker:
 
 @dataclass(frozen=True)
 class Engine(Plugin):
-    """A registered rollout engine: `target` is its `Worker` class."""
+    """A registered rollout engine: `target` is its `Worker` class — or, for the built-in ones, the class's import
+    path, imported when an engine starts (the configuration reads this registry without importing torch); `about`
+    describes it where its docstring is not loaded yet."""
+
+    about: str = ""
+
+    @property
+    def worker(self) -> type[Worker]:
+        return import_object(self.target) if isinstance(self.target, str) else self.target
+
+    @property
+    def summary(self) -> str:
+        return self.about or super().summary
 
 
 ENGINES: Registry[Engine] = Registry("rollout engine", Engine)

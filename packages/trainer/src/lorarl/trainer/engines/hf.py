@@ -15,23 +15,10 @@ import torch
 
 from lorarl.trainer import cpu_attention
 from lorarl.trainer.decode import decode
-from lorarl.trainer.engines.base import (
-    Capabilities,
-    Completion,
-    EngineContext,
-    EngineError,
-    SamplingParams,
-    Worker,
-    register_engine,
-)
-from lorarl.trainer.registry import option
+from lorarl.trainer.engines import HFEngineSettings
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, SamplingParams, Worker
 from lorarl.weight_sync import BucketReceiver, SyncStats, TensorSpec, copy_into, create_sync_group, save_adapter
 from lorarl.weight_sync.factors import FactorMerger, read_factor_set
-
-
-@dataclass
-class HFEngineSettings:
-    batch_size: int = option(256, "sequences generated at once", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -48,7 +35,6 @@ class HFSettings:
     sync_ranks: int = 1
 
 
-@register_engine("hf", settings=HFEngineSettings)
 class HFWorker(Worker):
     """A Hugging Face model with lorarl's decode loop (CPU or GPU), and in a process or actor of its own its end of
     the weight-sync group."""

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import torch
 
+from lorarl.trainer.engines import VllmEngineSettings
 from lorarl.trainer.engines.base import (
     Capabilities,
     Completion,
@@ -36,27 +37,10 @@ from lorarl.trainer.engines.base import (
     RolloutEngine,
     SamplingParams,
     Worker,
-    register_engine,
 )
-from lorarl.trainer.registry import option
 from lorarl.weight_sync.vllm import BACKEND, INCOMPLETE, OfflineClient, adapter_path, update_round
 
 T = TypeVar("T")
-
-
-@dataclass
-class VllmEngineSettings:
-    tensor_parallel_size: int = option(1, "GPUs per engine (its workers shard the received weights)", minimum=1)
-    gpu_memory_utilization: float = option(0.5, "share of each engine GPU vLLM may use", minimum=0.05, maximum=1.0)
-    max_model_len: int | None = option(None, "context length (None: the model's)")
-    kv_cache_gb: float | None = option(None, "KV cache of an engine on the CPU, GiB (None: what a step's rollouts "
-                                       "need, data.batch_size x rollout.n sequences of data.max_prompt_tokens + "
-                                       "rollout.max_tokens tokens; on GPUs gpu_memory_utilization decides)",
-                                       minimum=0.01)  # fmt: skip
-    enforce_eager: bool | None = option(None, "without compiled graphs (None: eager on the CPU, where compiling takes "
-                                        "minutes; graphs on GPUs)")  # fmt: skip
-    devices: str | None = option(None, "GPUs of a local engine (CUDA_VISIBLE_DEVICES; it then runs in a process of "
-                                 "its own); None = the trainer's")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -228,7 +212,6 @@ class VllmServing:
         shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
-@register_engine("vllm", settings=VllmEngineSettings)
 class VllmWorker(Worker):
     """vLLM (GPUs, or its CPU build): as a rollout worker in a process or Ray actor of its own, fed over a sync group
     (gloo on the CPU, NCCL on GPUs); inline, `InlineVllmEngine`. (vLLM holds its weights fused and sharded: no
