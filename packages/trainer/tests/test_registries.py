@@ -211,9 +211,12 @@ def test_an_unregistered_estimator_is_rejected_naming_the_registered_ones():
 
 
 def test_moved_keys_keep_working_and_say_their_new_name():
-    with pytest.warns(FutureWarning, match=r"algorithm\.clip_cov_ratio on the command line is now "
-                                           r"algorithm\.clip_cov\.ratio"):  # fmt: skip
+    with pytest.warns(FutureWarning) as said:
         config = load_config(None, ["algorithm.clip_cov_ratio=0.01", "rollout.batch_size=64"])
+    assert [str(w.message) for w in said] == [
+        "algorithm.clip_cov_ratio on the command line is now algorithm.clip_cov.ratio",
+        "rollout.batch_size on the command line is now rollout.hf.batch_size",
+    ]
     assert (config.algorithm.clip_cov.ratio, config.rollout.hf.batch_size) == (0.01, 64)
     with pytest.warns(FutureWarning, match="algorithm.gamma"):
         config = load_config(None, ["algorithm.gamma=0.9"])
