@@ -2,6 +2,7 @@
 greedy accuracy and pass@k of a saved checkpoint or merged model."""
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     of a checkpoint (its policy adapter on `model.path`, or its full model; the run's `config.yaml`, then `overrides`)
     or of a merged model directory (`trainer export`'s; the settings from `overrides`)."""
     from lorarl.trainer.config import load_config
-    from lorarl.trainer.engines import SamplingParams
+    from lorarl.trainer.engines import GREEDY, SamplingParams
     from lorarl.trainer.engines.hf import HFSettings, generate_with_hf
     from lorarl.trainer.errors import TrainerError
     from lorarl.trainer.models import DTYPES, load_base, load_tokenizer, resolve_device, resolve_model_path
@@ -60,7 +61,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     prompts = [list(e.prompt_ids) for e in examples]
     try:
         model.eval()
-        greedy = generate_with_hf(model, settings, 0, prompts, SamplingParams(1, 0.0, 1.0, r.max_tokens, 0))
+        greedy = generate_with_hf(model, settings, 0, prompts, replace(GREEDY, max_tokens=r.max_tokens))
         sampled = generate_with_hf(model, settings, 0, prompts, SamplingParams(n, r.temperature, r.top_p, r.max_tokens,
                                                                                config.trainer.seed))  # fmt: skip
         greedy_scores_ = [s.total for s in reward.score(responses(examples, greedy, tokenizer))]

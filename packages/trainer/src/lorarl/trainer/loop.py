@@ -139,7 +139,6 @@ class Trainer:
         t = self.config.trainer
         if not self.is_main:
             return self._follow(stop)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(to_yaml(self.config))
         console = self.console
         console.say(f"outputs: {self.output_dir.resolve()}")

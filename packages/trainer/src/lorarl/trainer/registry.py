@@ -113,8 +113,11 @@ class Registry(Generic[P]):
     def entries(self) -> list[P]:
         return list(self._entries.values())
 
-    def __getitem__(self, spec: str) -> P:
-        """The entry registered as `spec`, or the one the import path `spec` names (imported once)."""
+    def __getitem__(self, spec: "str | P") -> P:
+        """The entry registered as `spec`, or the one the import path `spec` names (imported once); an entry is its
+        own answer (callers take a name or the entry they already hold)."""
+        if isinstance(spec, self.entry_type):
+            return spec
         if spec in self._entries:
             return self._entries[spec]
         if isinstance(spec, str) and ":" in spec:

@@ -72,6 +72,7 @@ class ActorUpdate:
         algorithm = config.algorithm
         self.estimator = algorithms.ADVANTAGES[algorithm.adv_estimator]
         self.loss = algorithms.POLICY_LOSSES[algorithm.policy_loss]
+        self.kl = algorithms.KL_ESTIMATORS[algorithm.kl_estimator]
         self.clip = algorithms.ClipRange(algorithm.clip_low, algorithm.clip_high, algorithm.dual_clip)
         a, c, steps = config.actor, config.critic, config.trainer.steps
         self.optimizer = Optimizer(policy.trainable(), lr=a.lr, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
@@ -193,10 +194,7 @@ class ActorUpdate:
         return loss, info, old_logp
 
     def _kl(self, logp: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-        a = self.config.algorithm
-        return algorithms.kl_penalty(
-            logp, reference, a.kl_estimator, algorithms.KL_ESTIMATORS[a.kl_estimator].settings_in(a)
-        )
+        return algorithms.kl_penalty(logp, reference, self.kl, self.kl.settings_in(self.config.algorithm))
 
     def _micro_batches(self, batch: Batch, indices: list[int]) -> list[list[int] | None]:
         """This rank's micro-batches over its share of `indices` (token-bounded); with data parallelism padded with

@@ -53,10 +53,7 @@ def check_choices(config: Config) -> None:
         section, name = key.split(".")
         value = getattr(getattr(config, section), name)
         for spec in value if isinstance(value, list) else [value]:
-            if key.startswith("reward."):
-                load_plugin(key, spec, registry)
-            elif spec not in registry:
-                load_plugin(key, spec, registry)  # raises, naming the registered ones
+            load_plugin(key, spec, registry)  # raises, naming the registered ones
 
 
 def check_rules(config: Config) -> None:

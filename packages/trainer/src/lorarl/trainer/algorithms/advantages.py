@@ -47,7 +47,7 @@ def advantages(
     given). `baseline` `[N]`: the score of the prompt's greedy response, for the estimators that ask for it (ReMax);
     `values` `[N, R]`: the critic's, for those that need them (GAE). `token_penalty` `[N, R]` is subtracted from the
     rewards (the KL with `kl_in_reward`): per token where the estimator takes values, else summed per response."""
-    entry = estimator if isinstance(estimator, AdvantageEstimator) else ADVANTAGES[estimator]
+    entry = ADVANTAGES[estimator]
     mask = response_mask.bool()
     if rewards.dim() != 1 or group_index.shape != rewards.shape or mask.dim() != 2 or mask.shape[0] != rewards.numel():
         raise ValueError(

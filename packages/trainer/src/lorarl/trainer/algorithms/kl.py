@@ -16,7 +16,7 @@ KL_ESTIMATORS: Registry[Plugin] = Registry("KL estimator")
 register_kl_estimator = KL_ESTIMATORS.register
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str, settings=None) -> Tensor:
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str | Plugin, settings=None) -> Tensor:
     """Per-token estimate of KL(π || π_ref) by the estimator registered as `kind` (with its `settings`, if it has
     any)."""
     entry = KL_ESTIMATORS[kind]

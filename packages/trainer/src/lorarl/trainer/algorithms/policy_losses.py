@@ -52,7 +52,7 @@ def policy_loss(
     are the loss's own (its settings dataclass, or a dict of some of them; defaults for the rest); `totals` are
     `aggregate`'s denominators.
     """
-    entry = name if isinstance(name, Plugin) else POLICY_LOSSES[name]
+    entry = POLICY_LOSSES[name]
     check_shapes("response_mask", response_mask=response_mask, logp=logp, old_logp=old_logp, advantages=advantages,
                  is_weights=is_weights)  # fmt: skip
     if clip.dual is not None and clip.dual <= 1:
