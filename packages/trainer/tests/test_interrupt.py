@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,16 @@ def start(overrides: list[str], *, under_uv: bool = False) -> subprocess.Popen:
                             start_new_session=True, env=env)  # fmt: skip
 
 
-def wait_for_steps(out, process: subprocess.Popen, steps: int) -> None:
+def wait_until(process: subprocess.Popen, ready: Callable[[], bool]) -> None:
     deadline = time.monotonic() + 120
-    while not ((out / "metrics.jsonl").is_file() and len(records(out)) >= steps):
+    while not ready():
         assert process.poll() is None, process.stdout.read()
         assert time.monotonic() < deadline
-        time.sleep(0.05)
+        time.sleep(0.02)
+
+
+def wait_for_steps(out, process: subprocess.Popen, steps: int) -> None:
+    wait_until(process, lambda: (out / "metrics.jsonl").is_file() and len(records(out)) >= steps)
 
 
 def test_ctrl_c_checkpoints_the_last_step_and_the_printed_command_resumes_exactly(tiny_setup, tmp_path):
@@ -94,14 +99,19 @@ def test_a_signal_to_the_process_group_under_uv_run_checkpoints_and_prints_the_r
 
 
 def test_a_second_ctrl_c_quits_at_once(tiny_setup, tmp_path):
-    out, slow = tmp_path / "out", tmp_path / "slow.py"
-    slow.write_text("import time\n\n\ndef reward(prompt, response, answer):\n    time.sleep(0.1)\n    return 0.0\n")
+    out, slow, calls = tmp_path / "out", tmp_path / "slow.py", tmp_path / "calls"
+    slow.write_text(
+        "import time\n\n\ndef reward(prompt, response, answer):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n        f.write('.')\n    time.sleep(0.1)\n    return 0.0\n"
+    )
     process = start(tiny_overrides(tiny_setup, out, trainer__steps=10_000, reward__fn=f"{slow}:reward"))
-    wait_for_steps(out, process, 1)  # a step takes 3 s or more: both signals come within one
+    responses = 8 * 4  # data.batch_size x rollout.n: one step scores them one by one, 0.1 s each
+    # step 2 has begun scoring, with >= 2.8 s of it left
+    wait_until(process, lambda: calls.is_file() and len(calls.read_text()) >= responses + 4)
     process.send_signal(signal.SIGINT)
-    time.sleep(1.5)  # later than a repeat of the same signal (uv forwarding it)
+    time.sleep(1.5)  # later than a repeat of the same signal (uv forwarding it), within the step
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output
     assert "interrupted" in output
-    assert len(records(out)) < 10_000
+    assert len(records(out)) == 1, output  # step 2 never finished
