@@ -2,6 +2,8 @@
 settings, loaded from the config by import path — which `--help` lists and the trainer trains with, without a wrapper
 script and without touching trainer code."""
 
+import json
+import os
 import re
 
 import pytest
@@ -105,6 +107,10 @@ def plugin_file(tmp_path):
             registry.remove(name)
 
 
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def plugin_overrides(path) -> list[str]:
     return [f"algorithm.adv_estimator={path}:scaled_centred", "algorithm.scaled_centred.scale=2.0",
             f"algorithm.policy_loss={path}:weighted_pg", "algorithm.weighted_pg.weight=0.5",
@@ -152,6 +158,78 @@ def test_plugins_by_import_path_are_listed_with_their_settings_and_train_a_step(
     versions = [(version, names == announced) for version, names, announced in calls["engine"]]
     assert versions == [(0, True), (1, True)]  # the merged weights of the start and of step 1, as announced
     assert engine.version == 1
+
+
+ENGINE_PLUGIN = """
+import dataclasses
+import os
+
+from lorarl.trainer.engines import HFEngineSettings, register_engine
+from lorarl.trainer.engines.hf import HFSettings, HFWorker
+from lorarl.trainer.registry import option
+
+
+@dataclasses.dataclass
+class NotedSettings(HFEngineSettings):
+    note: str = option("", "a file the engine writes its process id to")
+
+
+@dataclasses.dataclass(frozen=True)
+class NotedWorkerSettings(HFSettings):
+    note: str = ""
+
+
+@register_engine("noted_hf", settings=NotedSettings)
+class NotedHF(HFWorker):
+    \"\"\"The HF engine, which writes down the process it runs in.\"\"\"
+
+    @classmethod
+    def settings(cls, own, context):
+        hf = super().settings(own, context)
+        return NotedWorkerSettings(**{f.name: getattr(hf, f.name) for f in dataclasses.fields(hf)}, note=own.note)
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        with open(settings.note, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+"""
+
+
+@pytest.mark.parametrize("where", [{"rollout__worker": "process"}, {"trainer__backend": "ray"}], ids=["process", "ray"])
+def test_a_plugin_engine_from_a_file_runs_in_a_process_or_ray_actor_of_its_own(tiny_setup, tmp_path, where):
+    """Its class and settings come from a file no other process can import by name: they still reach the engine's."""
+    if "trainer__backend" in where:
+        pytest.importorskip("ray")
+    from lorarl.trainer.engines import ENGINES
+
+    path, notes, out = tmp_path / "noted_engine.py", tmp_path / "pids", tmp_path / "out"
+    path.write_text(ENGINE_PLUGIN)
+    overrides = [f"rollout.engine={path}:NotedHF", f"rollout.noted_hf.note={notes}"]
+    try:
+        assert main(tiny_overrides(tiny_setup, out, trainer__steps=2, **where) + overrides) == 0
+    finally:
+        if "noted_hf" in ENGINES:
+            ENGINES.remove("noted_hf")
+    (pid,) = notes.read_text().split()
+    assert int(pid) != os.getpid()
+    assert [record["step"] for record in records(out)] == [1, 2]
+
+
+def test_a_value_from_a_plugin_file_reaches_a_spawned_process_which_loads_that_file_only(tmp_path):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from operator import attrgetter
+
+    from lorarl.trainer.registry import Portable
+
+    for name in ("used", "unused"):  # each notes the process that loads it
+        note = f"import os\n\nwith open({str(tmp_path / name)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}} ')\n"
+        (tmp_path / f"{name}.py").write_text(note + "\n\nclass Thing:\n    pass\n")
+    used, _ = (import_object(f"{tmp_path / name}.py:Thing") for name in ("used", "unused"))
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(attrgetter("value"), Portable((used, 3))).result() == (used, 3)
+    assert len(set((tmp_path / "used").read_text().split())) == 2  # here and there
+    assert (tmp_path / "unused").read_text().split() == [str(os.getpid())]  # here only
 
 
 def test_a_settings_key_of_a_plugin_is_checked_like_any_key(tiny_setup, plugin_file):

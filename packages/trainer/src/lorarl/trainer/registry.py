@@ -7,8 +7,11 @@ one decorated object in the user's own file, nothing else to edit."""
 
 import dataclasses
 import difflib
+import hashlib
 import importlib
 import importlib.util
+import io
+import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -170,18 +173,7 @@ def import_object(spec: str) -> Any:
             path = Path(target).resolve()
             if not path.is_file():
                 raise PluginError(f"file {target} not found")
-            if path not in _FILE_MODULES:
-                module_name = f"lorarl_plugin_{path.stem}_{len(_FILE_MODULES)}"
-                module_spec = importlib.util.spec_from_file_location(module_name, path)
-                module = importlib.util.module_from_spec(module_spec)
-                sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
-                try:
-                    module_spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[module_name]
-                    raise
-                _FILE_MODULES[path] = module
-            module = _FILE_MODULES[path]
+            module = _import_file(path)
         else:
             module = importlib.import_module(target)
     except ImportError as e:
@@ -189,3 +181,59 @@ def import_object(spec: str) -> Any:
     if not hasattr(module, name):
         raise PluginError(f"{target} has no {name!r}")
     return getattr(module, name)
+
+
+def _import_file(path: Path) -> Any:
+    """The module of a plugin file, under a name derived from its path: the same name in every process that loads
+    it, which is what pickles of its objects refer to."""
+    if path not in _FILE_MODULES:
+        module_name = f"lorarl_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+        _FILE_MODULES[path] = module
+    return _FILE_MODULES[path]
+
+
+def plugin_modules() -> list[Any]:
+    """The modules of the plugin files loaded so far (for Ray, which pickles their objects by value)."""
+    return list(_FILE_MODULES.values())
+
+
+class Portable:
+    """`value` (e.g. a plugin engine's class and settings) pickled for a process spawned from this one: unpickling
+    it there first loads the plugin files whose objects it holds, which that process could not import by name."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __reduce__(self):
+        buffer = io.BytesIO()
+        pickler = _ModuleNoter(buffer)
+        pickler.dump(self.value)
+        files = [str(path) for path, module in _FILE_MODULES.items() if module.__name__ in pickler.modules]
+        return _unpickle_with_plugins, (files, buffer.getvalue())
+
+
+class _ModuleNoter(pickle.Pickler):
+    """A pickler that notes the modules of the classes and functions it pickles (by name)."""
+
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file)
+        self.modules: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type) or callable(obj):
+            self.modules.add(getattr(obj, "__module__", None))
+        return NotImplemented
+
+
+def _unpickle_with_plugins(files: list[str], data: bytes) -> Portable:
+    for path in files:
+        _import_file(Path(path))
+    return Portable(pickle.loads(data))

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SamplingParams, SubmitsInBackground
+from lorarl.trainer.registry import Portable
 from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, TransferError, create_sync_group, free_port
 from lorarl.weight_sync.factors import narrowed_base
 
@@ -75,14 +76,17 @@ class FedOverGroup:
 
 
 class ProcessEngine(SubmitsInBackground, FedOverGroup):
-    """A worker in a process of its own (spawned: its class must be importable there, by module or plugin file)."""
+    """A worker in a process of its own (spawned: the worker's class and settings reach it as `Portable`, so a
+    plugin engine from a file loads there as it did here)."""
 
     def __init__(self, worker_class: type, settings, *, bucket_bytes: int):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         port = free_port()
         name = f"lorarl-{worker_class.__name__}"
-        self.process = ctx.Process(target=_serve, args=(child, worker_class, settings, port), daemon=True, name=name)
+        self.process = ctx.Process(
+            target=_serve, args=(child, Portable((worker_class, settings)), port), daemon=True, name=name
+        )
         self.process.start()
         self.timeout, self.dtype = settings.timeout, settings.dtype
         self._early: tuple | None = None  # the worker's first answer, if it came while this side joined
@@ -159,10 +163,11 @@ def ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def _serve(conn, worker_class: type, settings, port: int) -> None:
+def _serve(conn, portable: Portable, port: int) -> None:
     """The engine process: build the worker, join the sync group, then answer commands until "close" (or until the
     trainer is gone). A signal to the process group is the trainer's to handle: it closes the engine when it stops."""
     ignore_stop_signals()
+    worker_class, settings = portable.value
     try:
         worker = worker_class(settings)
         conn.send(("ok", worker.join("127.0.0.1", port, 1 + settings.sync_ranks, 1)))

@@ -16,6 +16,7 @@ from lorarl.trainer.engines.base import (
     agreed,
 )
 from lorarl.trainer.engines.process import FedOverGroup, join_sync_group, sync_sender
+from lorarl.trainer.registry import plugin_modules
 from lorarl.weight_sync import SyncStats, free_port
 
 # Under `uv run`, Ray's hook would rebuild this uv environment inside every worker (about a minute each, here): the
@@ -50,6 +51,8 @@ class RayEngines(SubmitsInBackground, FedOverGroup):
         gpus = settings.sync_ranks if settings.device.startswith("cuda") else 0  # a vLLM replica: TP GPUs
         self.placement = placement_group([{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}] * replicas, strategy="PACK")
         self._get(self.placement.ready(), f"placing {replicas} rollout replicas (not enough free resources?)")
+        for module in plugin_modules():  # a plugin file, which the actors cannot import by name: its code goes along
+            ray.cloudpickle.register_pickle_by_value(module)
         worker = ray.remote(worker_class)
         self.actors = [
             worker.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
