@@ -43,14 +43,19 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
 
 
 def save(output_dir: Path, step: int, write_weights: Callable[[Path], None], *, state: dict, config_yaml: str) -> Path:
-    """The checkpoint of `step`: `write_weights(directory)` writes the models (`save_policy`, `save_critic`)."""
+    """The checkpoint of `step`: `write_weights(directory)` writes the models (`save_policy`, `save_critic`). Written
+    aside and renamed when whole; a save that fails (a full disk, a second Ctrl-C) removes what it wrote."""
     final = checkpoint_dir(output_dir, step)
     temporary = final.parent / f".incomplete-{final.name}-{uuid.uuid4().hex[:8]}"
     temporary.mkdir(parents=True)
-    write_weights(temporary)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}  # noqa: NPY002
-    torch.save({**state, "step": step, "rng": rng}, temporary / STATE)
-    (temporary / "config.yaml").write_text(config_yaml)
+    try:
+        write_weights(temporary)
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}  # noqa: NPY002
+        torch.save({**state, "step": step, "rng": rng}, temporary / STATE)
+        (temporary / "config.yaml").write_text(config_yaml)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(temporary, final)
