@@ -5,6 +5,8 @@ script and without touching trainer code."""
 import json
 import os
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,6 +232,27 @@ def test_a_value_from_a_plugin_file_reaches_a_spawned_process_which_loads_that_f
         assert pool.submit(attrgetter("value"), Portable((used, 3))).result() == (used, 3)
     assert len(set((tmp_path / "used").read_text().split())) == 2  # here and there
     assert (tmp_path / "unused").read_text().split() == [str(os.getpid())]  # here only
+
+
+def test_the_readme_plugin_example_runs_as_written(tiny_setup, tmp_path, monkeypatch, capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Plugins") :]
+    code = re.search(r"```python\n(# my_plugins\.py\n.*?)```", section, re.S).group(1)
+    commands = re.search(r"```bash\n(uv run trainer .*?)```", section, re.S).group(1).replace("\\\n", " ")
+    train, show = (shlex.split(line, comments=True)[3:] for line in commands.splitlines())
+    (tmp_path / "my_plugins.py").write_text(code)
+    monkeypatch.chdir(tmp_path)  # the commands name the file relative to where they run
+    try:
+        assert main(tiny_overrides(tiny_setup, tmp_path / "out", trainer__steps=1) + train) == 0
+        assert load_config(None, train).algorithm.scaled_centred.scale == 2.0
+        capsys.readouterr()
+        assert main(show) == 0
+        assert "algorithm.scaled_centred.scale" in capsys.readouterr().out
+    finally:
+        for registry, name in ((ADVANTAGES, "scaled_centred"), (POLICY_LOSSES, "vanilla_pg")):
+            if name in registry:
+                registry.remove(name)
+    assert records(tmp_path / "out")[-1]["step"] == 1
 
 
 def test_a_settings_key_of_a_plugin_is_checked_like_any_key(tiny_setup, plugin_file):
