@@ -80,7 +80,10 @@ def test_a_preset_in_the_file_then_the_file_then_the_command_line(tmp_path):
             ["rollout.max_tokens=1", "algorithm.overlong_buffer_frac=0.2"],
             "overlong_buffer_frac=0.2 of rollout.max_tokens=1",
         ),
-        (["rollout.top_p=0"], "expected 0 < top_p <= 1"),
+        (["rollout.top_p=0"], "rollout.top_p=0.0: expected 0 < top_p <= 1"),
+        (["rollout.top_p=1.5"], "rollout.top_p=1.5: expected a value <= 1.0"),
+        (["rollout.temperature=-1"], "rollout.temperature=-1.0: expected a value >= 0.0"),
+        (["rollout.temperature=0"], "rollout.temperature=0 samples greedily, one response per prompt, but rollout.n=8"),
         (["algorithm.mini_batches=1000"], "algorithm.mini_batches=1000: more than the 256 responses"),
         (["reward.fn=math", "reward.fns=[math]"], "set one (reward.fns replaces reward.fn)"),
         (["reward.fns=[math,default]", "reward.weights=[1.0]"], "expected one weight per reward function (2)"),
@@ -90,6 +93,19 @@ def test_a_preset_in_the_file_then_the_file_then_the_command_line(tmp_path):
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+def test_an_engine_whose_module_is_missing_is_refused_with_how_to_get_it():
+    from lorarl.trainer.engines import ENGINES, Worker, register_engine
+
+    register_engine("needs_missing", requires=("no_such_engine_module", "pip install no-such-engine"))(Worker)
+    try:
+        with pytest.raises(ConfigError, match=r"rollout\.engine=needs_missing needs no_such_engine_module, which this "
+                                              r"Python \(.*\) cannot import: pip install no-such-engine"):  # fmt: skip
+            load_config(None, ["rollout.engine=needs_missing"])
+        load_config(None, ["rollout.engine=needs_missing", "trainer.backend=ray"])  # Ray may place it where it is
+    finally:
+        ENGINES.remove("needs_missing")
 
 
 def test_bad_files(tmp_path):

@@ -54,8 +54,8 @@ class RolloutSection:
                          "environment, made by scripts/vllm_cpu_env.sh), or a plugin's import path; its settings: "
                          "rollout.<engine>.*")  # fmt: skip
     n: int = option(8, "responses sampled per prompt (the GRPO group size)", minimum=1)
-    temperature: float = option(1.0, "sampling temperature")
-    top_p: float = option(1.0, "nucleus sampling threshold")
+    temperature: float = option(1.0, "sampling temperature (0: greedy, one response per prompt)", minimum=0.0)
+    top_p: float = option(1.0, "nucleus sampling threshold, in (0, 1]", maximum=1.0)
     max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
     sync: str = option("merged", "what reaches the engine after each step: merged weights; the adapter alone (served "
                        "unmerged); the LoRA factors alone (factors: the engine merges them into its weights from a "

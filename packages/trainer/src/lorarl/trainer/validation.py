@@ -1,6 +1,9 @@
 """The configuration's checks, once loaded: each value within its key's range or choices, each pluggable key naming a
 registered piece (or a plugin), and the rules across keys — each error naming its keys."""
 
+import importlib.util
+import sys
+
 from lorarl.trainer.errors import ConfigError
 from lorarl.trainer.registry import PluginError, Registry
 from lorarl.trainer.schema import Config, leaves, pluggable
@@ -59,7 +62,7 @@ def check_choices(config: Config) -> None:
 def check_rules(config: Config) -> None:
     """Rules across keys (or stricter than a range) that users trip over, each naming its keys."""
     from lorarl.trainer.algorithms import ADVANTAGES, overlong_buffer
-    from lorarl.trainer.engines import placement
+    from lorarl.trainer.engines import ENGINES, placement
 
     a, r, w, t = config.algorithm, config.rollout, config.reward, config.trainer
     estimator = ADVANTAGES[a.adv_estimator]
@@ -79,9 +82,11 @@ def check_rules(config: Config) -> None:
         raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac} of rollout.max_tokens="
                           f"{r.max_tokens} is a buffer of {buffer} tokens: the overlong penalty would hit every "
                           "response (expected a buffer shorter than max_tokens)")  # fmt: skip
-    if not 0 < r.top_p <= 1 or r.temperature < 0:
-        raise ConfigError(f"rollout.top_p={r.top_p}, rollout.temperature={r.temperature}: expected 0 < top_p <= 1 "
-                          "and temperature >= 0")  # fmt: skip
+    if r.top_p <= 0:
+        raise ConfigError(f"rollout.top_p={r.top_p}: expected 0 < top_p <= 1")
+    if r.temperature == 0 and r.n > 1:
+        raise ConfigError(f"rollout.temperature=0 samples greedily, one response per prompt, but rollout.n={r.n}: "
+                          "raise the temperature, or set rollout.n=1 (with an estimator without groups)")  # fmt: skip
     if a.mini_batches > config.data.batch_size * r.n:
         raise ConfigError(f"algorithm.mini_batches={a.mini_batches}: more than the {config.data.batch_size * r.n} "
                           "responses of a step (data.batch_size x rollout.n)")  # fmt: skip
@@ -111,3 +116,7 @@ def check_rules(config: Config) -> None:
                           "(trainer.resume)")  # fmt: skip
     if r.overlap and placement(r, t.backend) == "inline":
         raise ConfigError("rollout.overlap generates beside the training: it needs rollout.worker=process")
+    requires = ENGINES[r.engine].requires
+    if requires and t.backend != "ray" and importlib.util.find_spec(requires[0]) is None:  # Ray may place it elsewhere
+        raise ConfigError(f"rollout.engine={r.engine} needs {requires[0]}, which this Python ({sys.executable}) "
+                          f"cannot import: {requires[1]}")  # fmt: skip

@@ -56,9 +56,12 @@ class VllmEngineSettings:
 register_engine("hf", settings=HFEngineSettings, about="a Hugging Face model with lorarl's decode loop, CPU or GPU")(
     "lorarl.trainer.engines.hf:HFWorker"
 )
-register_engine("vllm", settings=VllmEngineSettings, about="vLLM, on GPUs or (its CPU build) the CPU")(
-    "lorarl.trainer.engines.vllm_worker:VllmWorker"
+VLLM_INSTALL = (
+    "on GPUs `uv sync --extra vllm` (or pip install 'lorarl-trainer[vllm]'); on the CPU, run from "
+    "vLLM's CPU environment: scripts/vllm_cpu_env.sh, then .venv-vllm-cpu/bin/trainer ..."
 )
+register_engine("vllm", settings=VllmEngineSettings, about="vLLM, on GPUs or (its CPU build) the CPU",
+                requires=("vllm", VLLM_INSTALL))("lorarl.trainer.engines.vllm_worker:VllmWorker")  # fmt: skip
 
 
 def placement(rollout: Any, backend: str) -> str:

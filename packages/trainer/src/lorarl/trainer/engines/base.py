@@ -235,9 +235,11 @@ class Worker:
 class Engine(Plugin):
     """A registered rollout engine: `target` is its `Worker` class — or, for the built-in ones, the class's import
     path, imported when an engine starts (the configuration reads this registry without importing torch); `about`
-    describes it where its docstring is not loaded yet."""
+    describes it where its docstring is not loaded yet; `requires`: a module it cannot run without, and how to get
+    it (checked with the configuration, before anything loads)."""
 
     about: str = ""
+    requires: tuple[str, str] | None = None
 
     @property
     def worker(self) -> type[Worker]:
