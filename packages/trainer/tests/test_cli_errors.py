@@ -20,6 +20,15 @@ from lorarl.trainer.cli import main
         ({"rollout__sync": "auto", "model__lora__rank": 0}, "rollout.sync=auto needs a LoRA adapter"),
         ({"data__batch_size": 400}, "data.batch_size=400 is larger than the 300 training prompts"),
         (
+            {"model__lora__target_modules": "[q_proj,v_prj]"},  # peft would adapt q_proj alone, silently
+            "model.lora.target_modules=['q_proj', 'v_prj']: the model has no module v_prj; its linear layers are "
+            "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or all-linear)",
+        ),
+        (
+            {"algorithm__adv_estimator": "gae", "critic__lora__target_modules": "[qq]"},  # on the policy's peft model
+            "critic.lora.target_modules=['qq']: the model has no module qq; its linear layers are down_proj, gate_proj",
+        ),
+        (
             {
                 "rollout__engine": "vllm",
                 "rollout__vllm__devices": "1",

@@ -18,7 +18,9 @@ from lorarl.trainer.recompute import checkpoint_layers
 
 def policy(model_dir, dtype: str) -> nn.Module:
     torch.manual_seed(0)  # peft draws A from the global generator
-    model = _with_adapter(load_base(model_dir, DTYPES[dtype], torch.device("cpu")), LoraSection(rank=4))
+    model = _with_adapter(
+        load_base(model_dir, DTYPES[dtype], torch.device("cpu")), LoraSection(rank=4), key="model.lora"
+    )
     with torch.no_grad():  # B away from its zero init, so that A gets gradients too
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -146,7 +146,7 @@ class Policy:
             if kl_coef > 0:  # a full fine-tune needs its own frozen reference for the KL term
                 self.frozen_reference = copy.deepcopy(base).eval().requires_grad_(False)
         else:
-            self.model = _with_adapter(base, section.lora)
+            self.model = _with_adapter(base, section.lora, key="model.lora")
         self.trainable_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
 
     def trainable(self) -> list[nn.Parameter]:
@@ -170,23 +170,42 @@ def _uses_lora(lora: LoraSection) -> bool:
     return lora.rank > 0 or lora.adapter_path is not None
 
 
-def _with_adapter(base: nn.Module, lora: LoraSection) -> nn.Module:
+def _with_adapter(base: nn.Module, lora: LoraSection, *, key: str) -> nn.Module:
     from peft import PeftModel, get_peft_model
 
     if lora.adapter_path is not None:
         if not (Path(lora.adapter_path) / "adapter_config.json").is_file():
             raise TrainerError(f"model.lora.adapter_path={lora.adapter_path!r}: no adapter_config.json there")
         return PeftModel.from_pretrained(base, lora.adapter_path, is_trainable=True)
-    return get_peft_model(base, lora_config(lora))
+    return get_peft_model(base, lora_config(lora, base, key=key))
 
 
-def lora_config(lora: LoraSection):
+def lora_config(lora: LoraSection, model: nn.Module, *, key: str):
+    """peft's config of `lora` (the section at `key`), each target module checked against `model`: peft would
+    refuse a list naming none of them, and silently skip a mistyped one beside others it finds."""
     from peft import LoraConfig
 
     targets = "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+    if targets != "all-linear":
+        names = [name for name, _ in model.named_modules()]
+        missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+        if missing:
+            raise TrainerError(f"{key}.target_modules={targets}: the model has no module {', '.join(missing)}; its "
+                               f"linear layers are {', '.join(_linear_layers(model))} (or all-linear)")  # fmt: skip
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
                       exclude_modules=list(lora.exclude_modules) or None, lora_dropout=lora.dropout,
                       use_rslora=lora.rslora)  # fmt: skip
+
+
+def _linear_layers(model: nn.Module) -> list[str]:
+    """The names LoRA can target (the model's own linear layers; not peft's wrappers or factors)."""
+    found = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":  # GPT-2's
+            parts = [part for part in name.split(".") if part != "base_layer"]
+            if not any(part.startswith("lora_") for part in parts):
+                found.add(parts[-1])
+    return sorted(found)
 
 
 def parameters_named(model: nn.Module, names: list[str]) -> list[nn.Parameter]:
@@ -210,12 +229,12 @@ class Critic:
         self.adapter = self.ADAPTER if self.shares_base else "default"  # its name in `model`, if an adapter
         if self.shares_base:
             self.model = policy.model
-            self.model.add_adapter(self.ADAPTER, lora_config(section.lora))
+            self.model.add_adapter(self.ADAPTER, lora_config(section.lora, self.model, key="critic.lora"))
             self.trainable_names = [name for name, _ in self.model.named_parameters()
                                     if f".{self.ADAPTER}." in name]  # fmt: skip
         else:
             base = load_base(policy.path, policy.dtype, device)
-            self.model = _with_adapter(base, section.lora) if self.is_lora else base
+            self.model = _with_adapter(base, section.lora, key="critic.lora") if self.is_lora else base
             self.trainable_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         for p in parameters_named(self.model, self.trainable_names):
             p.requires_grad_(True)  # peft adds an adapter that is not the active one frozen
