@@ -98,3 +98,13 @@ def test_help_lists_every_key(capsys):
     for preset in ("grpo", "dapo", "drgrpo", "rloo", "gspo"):  # the presets, with what each sets
         assert f"\n  {preset} " in out
     assert "clip_high=0.28 dynamic_sampling=True overlong_buffer_frac=0.2" in out
+
+
+def test_export_names_a_checkpoint_that_is_missing_or_holds_no_adapter(tmp_path, capsys):
+    missing, empty = tmp_path / "step_9", tmp_path / "step_1"
+    empty.mkdir()
+    assert main(["export", "--checkpoint", str(missing), "--merged", str(tmp_path / "out")]) == 2
+    assert f"--checkpoint {missing}: no such directory" in capsys.readouterr().out
+    assert main(["export", "--checkpoint", str(empty), "--merged", str(tmp_path / "out")]) == 2
+    assert f"{empty} holds no adapter" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()

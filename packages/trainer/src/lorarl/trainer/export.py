@@ -13,6 +13,8 @@ from lorarl.trainer.models import DTYPES, load_base, load_tokenizer, resolve_mod
 def export_merged(checkpoint: str | Path, out: str | Path) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     adapter = checkpoint / "adapter"
+    if not checkpoint.is_dir():
+        raise TrainerError(f"--checkpoint {checkpoint}: no such directory")
     if not (adapter / "adapter_config.json").is_file():
         raise TrainerError(f"{checkpoint} holds no adapter (a full fine-tune's model/ is already a full model)")
     config = yaml.safe_load((checkpoint / "config.yaml").read_text())
