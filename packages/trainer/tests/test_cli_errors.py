@@ -1,5 +1,7 @@
 """Bad inputs end with a clear message and a non-zero exit code, before any training starts."""
 
+import shutil
+
 import pytest
 from trainer_fixtures import tiny_overrides
 
@@ -108,3 +110,37 @@ def test_export_names_a_checkpoint_that_is_missing_or_holds_no_adapter(tmp_path,
     assert main(["export", "--checkpoint", str(empty), "--merged", str(tmp_path / "out")]) == 2
     assert f"{empty} holds no adapter" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_under_settings_that_do_not_fit_the_checkpoint_names_them(tiny_setup, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    assert main(tiny_overrides(tiny_setup, out, trainer__steps=1)) == 0
+    step_1 = out / "checkpoints" / "step_1"
+    resume = {"trainer__resume": "auto", "trainer__steps": 2}
+    cases = [
+        (
+            {"model__lora__rank": 4},
+            f"trainer.resume: {step_1} was trained with model.lora.rank=8 (now 4): its weights are not this model's",
+        ),
+        (
+            {"model__lora__target_modules": "[q_proj]", "model__lora__alpha": 8},
+            "model.lora.alpha=32.0 (now 8.0), model.lora.target_modules=['all-linear'] (now ['q_proj'])",
+        ),
+        (
+            {"algorithm__adv_estimator": "gae"},
+            f"{step_1} holds no critic, and algorithm.adv_estimator=gae trains one; "
+            "resume under the estimator it was trained with (grpo)",
+        ),
+    ]
+    for extra, message in cases:
+        assert main(tiny_overrides(tiny_setup, out, **resume, **extra)) == 2
+        assert message in capsys.readouterr().out
+    wider = AutoModelForCausalLM.from_pretrained(tiny_setup["model"])  # the same layers, 48 wide instead of 32
+    wider.config.update({"hidden_size": 48})
+    shutil.copytree(tiny_setup["model"], tmp_path / "wider")  # its tokenizer
+    type(wider)(wider.config).save_pretrained(tmp_path / "wider")
+    assert main(tiny_overrides(tiny_setup, out, **resume, model__path=str(tmp_path / "wider"))) == 2
+    assert f"{step_1 / 'adapter'} does not fit this model (size mismatch for" in capsys.readouterr().out
+    assert main(tiny_overrides(tiny_setup, out, **resume, actor__lr=0.01)) == 0  # the rest may change

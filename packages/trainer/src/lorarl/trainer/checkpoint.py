@@ -73,6 +73,48 @@ def to_resume(resume: str, output_dir: Path) -> Path | None:
     return path
 
 
+# what shapes an adapter's weights (or what they compute): a resume under other values would not load, or would
+# silently change the model it continues (another model.path may be the same model, moved: its weights tell)
+SHAPING = ("rank", "alpha", "target_modules", "exclude_modules", "rslora")
+
+
+def check_resumable(path: Path, config_yaml: str, *, critic: bool) -> None:
+    """A checkpoint resumes only under the settings that shaped it (its `config.yaml`), and with a critic only if it
+    holds one: else one error naming the keys, before any weights load."""
+    from omegaconf import OmegaConf
+
+    saved_file = path / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved, now = OmegaConf.load(saved_file), OmegaConf.create(config_yaml)
+    if critic and not (path / "critic").is_dir():
+        raise TrainerError(f"trainer.resume: {path} holds no critic, and algorithm.adv_estimator="
+                           f"{OmegaConf.select(now, 'algorithm.adv_estimator')} trains one; resume under the "
+                           f"estimator it was trained with ({OmegaConf.select(saved, 'algorithm.adv_estimator')}), or "
+                           "start a fresh run (another trainer.output_dir, or trainer.resume=never)")  # fmt: skip
+    sections = ("model", "critic") if critic else ("model",)
+    changed = [change for section in sections for change in _changed(saved, now, section)]
+    if changed:
+        raise TrainerError(f"trainer.resume: {path} was trained with {', '.join(changed)}: its weights are not this "
+                           "model's; set those back, or start a fresh run (another trainer.output_dir, or "
+                           "trainer.resume=never)")  # fmt: skip
+
+
+def _changed(saved, now, section: str) -> list[str]:
+    """`section.lora.<key>=<saved> (now <now>)` for each shaping key that differs (none for a model fully trained in
+    both: no adapter to shape)."""
+    from omegaconf import OmegaConf
+
+    def plain(config, key: str):
+        value = OmegaConf.select(config, f"{section}.lora.{key}")
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+    values = {key: (plain(saved, key), plain(now, key)) for key in SHAPING}
+    if values["rank"] == (0, 0):
+        return []
+    return [f"{section}.lora.{key}={was} (now {is_now})" for key, (was, is_now) in values.items() if was != is_now]
+
+
 def latest(output_dir: Path) -> Path | None:
     """The complete checkpoint with the highest step, if any."""
     found = [p for p in (output_dir / "checkpoints").glob("step_*") if (p / STATE).is_file()]
@@ -107,14 +149,19 @@ def load_critic(path: Path, critic: Critic) -> None:
 
 
 def _load_into(model: nn.Module, directory: Path, *, adapter: str | None) -> None:
-    if adapter is not None:
-        from peft import set_peft_model_state_dict
+    try:
+        if adapter is not None:
+            from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(
-            model, _read(directory / "adapter_model.safetensors", load_file), adapter_name=adapter
-        )
-    else:
-        model.load_state_dict(_read(directory / "model.safetensors", load_file), strict=False)
+            set_peft_model_state_dict(
+                model, _read(directory / "adapter_model.safetensors", load_file), adapter_name=adapter
+            )
+        else:
+            model.load_state_dict(_read(directory / "model.safetensors", load_file), strict=False)
+    except RuntimeError as e:  # shapes that do not fit: another base model
+        detail = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e).splitlines()[0])
+        raise TrainerError(f"{directory} does not fit this model ({detail}): was it trained from another "
+                           "model.path?") from None  # fmt: skip
 
 
 def _read(file: Path, read: Callable):
