@@ -144,3 +144,6 @@ def test_a_resume_under_settings_that_do_not_fit_the_checkpoint_names_them(tiny_
     assert main(tiny_overrides(tiny_setup, out, **resume, model__path=str(tmp_path / "wider"))) == 2
     assert f"{step_1 / 'adapter'} does not fit this model (size mismatch for" in capsys.readouterr().out
     assert main(tiny_overrides(tiny_setup, out, **resume, actor__lr=0.01)) == 0  # the rest may change
+    capsys.readouterr()
+    assert main(tiny_overrides(tiny_setup, out, **resume)) == 0
+    assert "nothing to train: the checkpoint is at step 2 and trainer.steps=2" in capsys.readouterr().out

@@ -145,6 +145,9 @@ class Trainer:
         console.say(f"outputs: {self.output_dir.resolve()}")
         if any(self.dropped.values()):
             console.say(f"dropped prompts longer than {self.config.data.max_prompt_tokens} tokens: {self.dropped}")
+        if self.start_step >= t.steps:
+            console.say(f"nothing to train: the checkpoint is at step {self.start_step} and trainer.steps={t.steps} "
+                        "(raise trainer.steps to continue)")  # fmt: skip
         log = MetricsLog(self.output_dir, resume_step=self.start_step, loggers=t.loggers, project=t.wandb_project,
                          config=OmegaConf.to_container(OmegaConf.structured(self.config)))  # fmt: skip
         if t.log_samples:
