@@ -114,12 +114,13 @@ def test_verl_compute_score_runs_as_written():
 def reward_file(tmp_path):
     path = tmp_path / "my_rewards.py"
     path.write_text(
-        "import signal, time\n"
+        "import os, signal, time\n"
         "def exact(prompt, response, answer):\n    return float(response == answer)\n"
         "def length(prompts, completions, **kwargs):\n"
         "    return [None if c == 'none' else len(c) / 10 for c in completions]\n"
         "def flaky(prompt, response, answer):\n"
         "    if response == 'boom':\n        raise RuntimeError('boom')\n"
+        "    if response == 'crash':  # the worker process dies\n        os._exit(3)\n"
         "    if response == 'slow':\n        time.sleep(60)\n"
         "    if response == 'stuck':  # where no timer reaches: the pool has to kill it\n"
         "        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n        time.sleep(60)\n"
@@ -162,9 +163,19 @@ def test_a_pool_scores_slow_rewards_and_stops_those_past_the_timeout(reward_file
         assert [s.total for s in scores] == [1.0, -1.0, -1.0, -1.0, 1.0]
         assert elapsed < 20  # the sleeps were 60 s: the timer stopped one, the pool's deadline the other
         assert [s.total for s in reward.score([Response("p", "fine", "a", {})])] == [1.0]  # a fresh pool after a kill
+        scores = reward.score([Response("p", t, "a", {}) for t in ("crash", "fine")])  # the crash breaks the pool
+        assert scores[0].total == -1.0
+        assert scores[0].errors == 1
+        assert [s.total for s in reward.score([Response("p", "fine", "a", {})])] == [1.0]  # and a fresh one scores
     finally:
         reward.close()
     strict = rewards_from([f"reward.fn={reward_file}:flaky", "reward.workers=1", "reward.timeout_s=1"])
+    try:
+        with pytest.raises(RewardError, match=r"did not return: a reward worker process died .*response='crash'"):
+            strict.score([Response("p", "crash", "a", {})])
+        assert [s.total for s in strict.score([Response("p", "fine", "a", {})])] == [1.0]  # a fresh pool
+    finally:
+        strict.close()
     try:
         with pytest.raises(RewardError, match=r"raised TimeoutError: timed out after 1.0 s on: .*response='slow'"):
             strict.score([Response("p", "slow", "a", {})])

@@ -26,21 +26,30 @@ class ScoringPool:
             future.result()  # started and loaded: the time limits below are the calls' own
 
     def score(self, index: int, responses: Sequence[Response]) -> list[float | RewardError | None]:
+        """Each response's score, or the error of its call. A worker that dies (killed, crashed) breaks the pool:
+        every response it had not scored yet fails, and a fresh pool scores the next call."""
         from concurrent.futures import wait
+        from concurrent.futures.process import BrokenProcessPool
 
         if self.executor is None:
             self._start()
         futures = [self.executor.submit(_score_in_worker, index, response, self.timeout) for response in responses]
         rounds = -(-len(responses) // self.workers) + 1
         _, stuck = wait(futures, timeout=rounds * self.timeout + 2 if self.timeout else None)
-        results = []
+        results, broken = [], False
         for future, response in zip(futures, responses, strict=True):
             if future in stuck:
                 results.append(RewardError(f"did not answer within {self.timeout} s (its worker was killed)", response))
                 continue
-            value = future.result()
+            try:
+                value = future.result()
+            except BrokenProcessPool:
+                broken = True
+                results.append(RewardError("did not return: a reward worker process died (killed, or crashed in "
+                                           "the reward function)", response))  # fmt: skip
+                continue
             results.append(RewardError(value[1], response) if isinstance(value, tuple) else value)
-        if stuck:
+        if stuck or broken:
             self.close()  # started again for the next call
         return results
 
