@@ -1,6 +1,7 @@
 """Answer extraction and built-in rewards; user functions by module or by file, in lorarl's, TRL's and verl's
 signatures, weighted; failures reported with their sample or scored; slow rewards in a pool with a timeout."""
 
+import re
 import time
 
 import pytest
@@ -57,6 +58,25 @@ def test_user_functions_by_module_and_by_file(tmp_path):
         load_reward(f"{path}:missing")
     with pytest.raises(TrainerError, match="unknown reward 'nonsense': expected one of default, math"):
         load_reward("nonsense")
+
+
+def test_a_function_its_format_cannot_call_is_refused_when_it_loads(tmp_path):
+    path = tmp_path / "shapes.py"
+    path.write_text(
+        "def one(x):\n    return 1.0\n"
+        "def verl(data_source, solution_str, ground_truth, extra_info=None, *, weight):\n    return 1.0\n"
+        "def extra(prompt, response, answer, tokens=0, **kw):\n    return 1.0\n"
+        "def trl(prompts, completions, lengths):\n    return [1.0]\n"
+    )
+    with pytest.raises(TrainerError, match=re.escape(f"reward.fn='{path}:one': one(x) cannot be called as f(prompt, "
+                                                     "response, answer) (too many positional arguments)")):  # fmt: skip
+        load_reward(f"{path}:one")
+    with pytest.raises(TrainerError, match=re.escape("cannot be called as compute_score(data_source, solution_str, "
+                                                     "ground_truth, extra_info) (missing a required argument: "
+                                                     "'weight')")):  # fmt: skip
+        load_reward(f"{path}:verl")
+    assert load_reward(f"{path}:extra")("p", "r", "a") == 1.0  # optional and keyword parameters are fine
+    assert load_reward(f"{path}:trl").name == "trl"  # TRL's format passes the dataset columns a function names
 
 
 def responses(*texts: str, prompt="p", columns=None) -> list[Response]:

@@ -52,11 +52,34 @@ def load_reward(spec: str) -> Reward:
         found = import_object(spec)
     except PluginError as e:
         raise TrainerError(f"reward.fn={spec!r}: {e}") from None
-    if (registered := REWARDS.entry_of(found)) is not None:
-        return registered
-    if not callable(found):
+    if (registered := REWARDS.entry_of(found)) is None and not callable(found):
         raise TrainerError(f"reward.fn={spec!r}: not a function")
-    return Reward(spec.rsplit(":", 1)[1], found)
+    reward = registered or Reward(spec.rsplit(":", 1)[1], found)
+    _check_signature(reward, spec)
+    return reward
+
+
+# how each per-response format calls a reward (its settings come as keywords too): checked when it loads, not at the
+# first step's scoring, minutes later on a real model (TRL's format passes the arguments a function names)
+CALLED_AS = {"lorarl": ("f(prompt, response, answer)", ("prompt", "response", "answer"), {}),
+             "verl": ("compute_score(data_source, solution_str, ground_truth, extra_info)", (),
+                      dict.fromkeys(("data_source", "solution_str", "ground_truth", "extra_info")))}  # fmt: skip
+
+
+def _check_signature(reward: Reward, spec: str) -> None:
+    form = style(reward)
+    if form not in CALLED_AS:
+        return
+    try:
+        signature = inspect.signature(reward.target)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    shown, positional, keywords = CALLED_AS[form]
+    try:
+        signature.bind(*positional, **keywords, **reward.keywords())
+    except TypeError as e:
+        raise TrainerError(f"reward.fn={spec!r}: {reward.target.__name__}{signature} cannot be called as {shown} "
+                           f"({e}); a batched TRL reward takes `completions`") from None  # fmt: skip
 
 
 @dataclass(frozen=True)
