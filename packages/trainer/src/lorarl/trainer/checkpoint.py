@@ -10,6 +10,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ def to_resume(resume: str, output_dir: Path) -> Path | None:
 SHAPING = ("rank", "alpha", "target_modules", "exclude_modules", "rslora")
 
 
-def check_resumable(path: Path, config_yaml: str, *, critic: bool) -> None:
+def check_resumable(path: Path, config: Any, *, critic: bool) -> None:
     """A checkpoint resumes only under the settings that shaped it (its `config.yaml`), and with a critic only if it
     holds one: else one error naming the keys, before any weights load."""
     from omegaconf import OmegaConf
@@ -86,7 +87,7 @@ def check_resumable(path: Path, config_yaml: str, *, critic: bool) -> None:
     saved_file = path / "config.yaml"
     if not saved_file.is_file():
         return
-    saved, now = OmegaConf.load(saved_file), OmegaConf.create(config_yaml)
+    saved, now = OmegaConf.load(saved_file), OmegaConf.structured(config)
     if critic and not (path / "critic").is_dir():
         raise TrainerError(f"trainer.resume: {path} holds no critic, and algorithm.adv_estimator="
                            f"{OmegaConf.select(now, 'algorithm.adv_estimator')} trains one; resume under the "

@@ -54,7 +54,7 @@ class Trainer:
         share_prompts = layout == "padded" and r.n > 1 and scores_from_hidden(self.model)
         resume_from = checkpoint.to_resume(t.resume, self.output_dir)
         if resume_from is not None:  # before sharding: every rank reads the full weights
-            checkpoint.check_resumable(resume_from, to_yaml(config), critic=self.critic is not None)
+            checkpoint.check_resumable(resume_from, config, critic=self.critic is not None)
             checkpoint.load_policy(resume_from, self.model, is_lora=self.policy.is_lora)
             if self.critic is not None:
                 checkpoint.load_critic(resume_from, self.critic)

@@ -228,7 +228,7 @@ class _ModuleNoter(pickle.Pickler):
         self.modules: set[str] = set()
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, type) or callable(obj):
+        if callable(obj):  # classes and functions pickle by their module's name
             self.modules.add(getattr(obj, "__module__", None))
         return NotImplemented
 

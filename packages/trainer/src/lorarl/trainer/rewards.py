@@ -59,22 +59,19 @@ def load_reward(spec: str) -> Reward:
     return reward
 
 
-# how each per-response format calls a reward (its settings come as keywords too): checked when it loads, not at the
-# first step's scoring, minutes later on a real model (TRL's format passes the arguments a function names)
-CALLED_AS = {"lorarl": ("f(prompt, response, answer)", ("prompt", "response", "answer"), {}),
-             "verl": ("compute_score(data_source, solution_str, ground_truth, extra_info)", (),
-                      dict.fromkeys(("data_source", "solution_str", "ground_truth", "extra_info")))}  # fmt: skip
-
-
 def _check_signature(reward: Reward, spec: str) -> None:
+    """A per-response reward must take the arguments its format passes (and its settings, as keywords): checked when
+    it loads, not at the first step's scoring, minutes later on a real model. (TRL's format passes the arguments a
+    function names.)"""
     form = style(reward)
-    if form not in CALLED_AS:
+    if form not in PER_RESPONSE:
         return
     try:
         signature = inspect.signature(reward.target)
     except (TypeError, ValueError):  # a builtin or C function: nothing to read
         return
-    shown, positional, keywords = CALLED_AS[form]
+    shown, arguments = PER_RESPONSE[form]
+    positional, keywords = arguments(Response("", "", "", {}))
     try:
         signature.bind(*positional, **keywords, **reward.keywords())
     except TypeError as e:
@@ -128,13 +125,27 @@ def call_trl(fn: Callable, responses: Sequence[Response], options: dict) -> list
     return [_checked(v, s, allow_none=True) for v, s in zip(values, responses, strict=True)]
 
 
+def _verl_arguments(response: Response) -> tuple[tuple, dict]:
+    return (), {"data_source": response.columns.get("data_source"), "solution_str": response.response,
+                "ground_truth": response.answer, "extra_info": response.columns.get("extra_info")}  # fmt: skip
+
+
+def _lorarl_arguments(response: Response) -> tuple[tuple, dict]:
+    return (response.prompt, response.response, response.answer), {}
+
+
+# the formats that call a reward once per response: how the call reads, and its arguments for a response
+PER_RESPONSE = {"verl": ("compute_score(data_source, solution_str, ground_truth, extra_info)", _verl_arguments),
+                "lorarl": ("f(prompt, response, answer)", _lorarl_arguments)}  # fmt: skip
+
+
 @REWARD_FORMATS.register("verl")
 def call_verl(fn: Callable, responses: Sequence[Response], options: dict) -> list[float | None]:
     """verl's `compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict`, per response."""
 
     def score(response: Response):
-        value = fn(data_source=response.columns.get("data_source"), solution_str=response.response,
-                   ground_truth=response.answer, extra_info=response.columns.get("extra_info"), **options)  # fmt: skip
+        positional, keywords = _verl_arguments(response)
+        value = fn(*positional, **keywords, **options)
         return value["score"] if isinstance(value, dict) else value
 
     return _per_response(score, responses)
@@ -143,7 +154,12 @@ def call_verl(fn: Callable, responses: Sequence[Response], options: dict) -> lis
 @REWARD_FORMATS.register("lorarl")
 def call_lorarl(fn: Callable, responses: Sequence[Response], options: dict) -> list[float | None]:
     """lorarl's `f(prompt, response, answer) -> float`, per response."""
-    return _per_response(lambda r: fn(r.prompt, r.response, r.answer, **options), responses)
+
+    def score(response: Response):
+        positional, keywords = _lorarl_arguments(response)
+        return fn(*positional, **keywords, **options)
+
+    return _per_response(score, responses)
 
 
 def _per_response(score: Callable[[Response], object], responses: Sequence[Response]) -> list[float | None]:
