@@ -84,12 +84,11 @@ class FactorMerger:
         self.dtype, self.backend = dtype, backend
         self.base: dict[str, torch.Tensor] = {}
 
-    def store(self, base: Mapping[str, torch.Tensor], *, keep=None, share: bool = False) -> None:
-        """Keep `base` (those of its names `keep(name)` accepts, when given) as the pristine base weights; `share`:
-        hold the tensors themselves (the trainer's frozen base, in the trainer's process: no copy at all)."""
+    def store(self, base: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
+        """Keep `base` as the pristine base weights; `share`: hold the tensors themselves (the trainer's frozen base,
+        in the trainer's process: no copy at all)."""
         for name, tensor in base.items():
-            if keep is None or keep(name):
-                self.base[name] = tensor if share else narrowed(tensor, self.dtype)
+            self.base[name] = tensor if share else narrowed(tensor, self.dtype)
 
     def _check(self, factors: Mapping[str, Factors]) -> None:
         """Raise `ValueError` naming the first layer whose factors do not fit its base weight (or that has none)."""

@@ -100,7 +100,8 @@ class HFWorker(Worker):
         unknown = [name for name in factors if name not in params]
         if unknown:
             raise ValueError(f"the factor set adapts weights the model lacks: {unknown[:5]}")
-        self.factors.store(base, keep=factors.__contains__, share=share)
+        kept = {name: t.to(params[name].device) for name, t in base.items() if name in factors}  # gloo: on the CPU
+        self.factors.store(kept, share=share)
         merging = self.factors.merged(factors, outputs={name: params[name].data for name in factors})  # checked
         self.drop_adapter()  # the parameters stay the same objects
         with torch.no_grad():
