@@ -1,7 +1,7 @@
 """Rollouts per second: vLLM (its CPU build on a CPU) against lorarl's HF engine, on the step benchmark's model shapes.
 
 Each case starts each engine in a process of its own — interleaved hf, vllm, hf, vllm — as the trainer starts it
-inline (`rollout.worker=inline`: vLLM's `InlineVllmEngine`, the HF engine's decode loop), on the same model, the same
+inline (`rollout.worker=inline`: vLLM's worker, the HF engine's decode loop), on the same model, the same
 prompts of the embedded task, the case's prompts per step × 8 responses × its max new tokens, sampled at temperature
 1 in the engine dtype given (float32 by default: what a CPU without AVX512-BF16 computes fast), vLLM with the KV cache
 the trainer would give it (`rollout.vllm.kv_cache_gb` unset: the case's sequences at the trainer's default
@@ -49,14 +49,14 @@ def run_engine(engine: str, case_name: str, model: Path, batches: int, dtype: st
                               tokenizer.pad_token_id, batch_size=256)  # fmt: skip
         runner = InlineEngine(HFWorker(settings))
     else:
-        from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
-        from lorarl.trainer.engines.vllm_worker import VllmSettings, kv_cache_for
+        from lorarl.trainer.engines.inline import InlineEngine
+        from lorarl.trainer.engines.vllm_worker import VllmSettings, VllmWorker, kv_cache_for
 
         max_model_len, kv_cache_gb = kv_cache_for(str(model), getattr(torch, dtype), case.prompts * GENERATIONS,
                                                   512 + case.max_tokens)  # fmt: skip
-        settings = VllmSettings(str(model), getattr(torch, dtype), 1, 0.5, max_model_len, seed=0, adapter_rank=None,
-                                devices=None, device="cpu", kv_cache_gb=kv_cache_gb)  # fmt: skip
-        runner = InlineVllmEngine.start(settings)
+        settings = VllmSettings(str(model), getattr(torch, dtype), 1, 0.5, max_model_len, seed=0, max_lora_rank=None,
+                                devices=None, device="cpu", kv_cache_gb=kv_cache_gb, inline=True)  # fmt: skip
+        runner = InlineEngine(VllmWorker(settings))
     seconds, tokens = [], []
     for index in range(batches + 1):
         batch = prompts[index * case.prompts : (index + 1) * case.prompts]

@@ -264,8 +264,8 @@ def hf_engine(ctx: Context) -> dict:
     try:
         make_adapter_nonzero(trainer.model)
         prompts = [e.prompt_ids for e in trainer.rollouts.examples[:8]]
-        served = greedy_after_sync(trainer, prompts, version=2, mode="adapter")
-        merged = greedy_after_sync(trainer, prompts, version=2, mode="merged")
+        served = greedy_after_sync(trainer, prompts, version=2, kind="adapter")
+        merged = greedy_after_sync(trainer, prompts, version=2, kind="merged")
     finally:
         trainer.engine.close()
     assert_same_completions(served, merged)

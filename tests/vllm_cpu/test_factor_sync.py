@@ -4,6 +4,7 @@ log-probs) what the merged weights of the same step make it generate, and what t
 factor transfer that fails part-way (the sender killed, a corrupted bucket) or that does not fit leaves the previous
 version serving; a trainer run with factor sync repeats a merged run's metrics."""
 
+import dataclasses
 import json
 
 import pytest
@@ -22,9 +23,9 @@ from vllm_cpu_helpers import (
 
 from lorarl.lora_merge import iter_merged_weights, lora_factors
 from lorarl.trainer.cli import main
-from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
-from lorarl.trainer.engines.vllm_worker import start_llm
-from lorarl.trainer.weights import WeightSync
+from lorarl.trainer.engines.inline import InlineEngine
+from lorarl.trainer.engines.vllm_worker import VllmWorker
+from lorarl.trainer.weights import WeightSync, base_weights
 from lorarl.weight_sync import TransferError
 from lorarl.weight_sync.factors import factor_set
 from lorarl.weight_sync.vllm import OfflineClient, update_round
@@ -54,23 +55,24 @@ def merged_reference(model_dir, model):
 def test_factor_sets_serve_bit_for_bit_what_the_merged_weights_serve(tmp_path, tie, targets):
     # q_proj and v_proj without k_proj: vLLM fuses the three (and their biases) into one layer, reloaded whole
     model_dir = make_model_dir(tmp_path / "m", tie=tie)
-    settings = engine_settings(model_dir)
-    engine = InlineVllmEngine(start_llm(settings), settings, bucket_bytes=1 << 20)
+    settings = dataclasses.replace(engine_settings(model_dir), inline=True, bucket_bytes=1 << 20)
+    engine = InlineEngine(VllmWorker(settings))
+    llm = engine.worker.serving.llm
     model = adapted(model_dir, targets)
     try:
-        sync = WeightSync(model, engine, mode="factors", dtype=torch.float32, dp=None, version=0)
+        sync = WeightSync(model, engine, kind="factors", dtype=torch.float32, dp=None, version=0)
         for version in (1, 2, 3):
             train_a_step(model, version)
             stats = sync.sync(version=version)
-            by_factors = greedy(engine.serving.llm, PROMPTS)
-            sync.sync(version=version, mode="merged")  # the same step's weights, merged by the trainer
-            by_merged = greedy(engine.serving.llm, PROMPTS)
+            by_factors = greedy(llm, PROMPTS)
+            sync.sync(version=version, kind="merged")  # the same step's weights, merged by the trainer
+            by_merged = greedy(llm, PROMPTS)
             for a, b in zip(by_factors, by_merged, strict=True):
                 assert list(a.token_ids) == list(b.token_ids)
                 assert [s[t].logprob for s, t in zip(a.logprobs, a.token_ids, strict=True)] == [
                     s[t].logprob for s, t in zip(b.logprobs, b.token_ids, strict=True)
                 ]  # exactly: the engine holds the same bits
-            assert_greedy_and_logprobs_match(engine.serving.llm, merged_reference(model_dir, model), PROMPTS,
+            assert_greedy_and_logprobs_match(llm, merged_reference(model_dir, model), PROMPTS,
                                              version=str(version))  # fmt: skip
             scales = 8 * len(lora_factors(model))  # a float64 each
             factor_bytes = sum(p.nbytes for n, p in model.named_parameters() if "lora_" in n) + scales
@@ -84,9 +86,7 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
     llm = start_engine(model_dir)
     client = OfflineClient(llm)
     model = adapted(model_dir, "all-linear")
-    base = WeightSync(model, None, mode="factors", dtype=torch.float32, dp=None, version=0).base_weights(
-        lora_factors(model)
-    )
+    base = base_weights(model, lora_factors(model))
     senders = []
 
     def connect() -> SenderProcess:
@@ -97,7 +97,7 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
         train_a_step(model, version)
         tensors = factor_set(lora_factors(model), base if with_base else None)
         sender.send(version, {k: v.detach() for k, v in tensors.items()}, fault)
-        return update_round(client, {"version": version, "kind": "factors"}, version)
+        return update_round(client, {"version": version, "form": "factors"}, version)
 
     def assert_serves(version, reference):
         assert llm.get_weight_version() == str(version)
@@ -126,7 +126,7 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
         sender = connect()  # a trainer that comes back joins afresh; the engine kept the base weights
         sender.send(5, {k: v.detach() for k, v in misfit.items()})
         with pytest.raises(ValueError, match="do not fit its base weight"):
-            update_round(client, {"version": 5, "kind": "factors"}, 5)
+            update_round(client, {"version": 5, "form": "factors"}, 5)
         sender.result()  # it sent the set whole: the engine refused it after
         assert_serves(3, v3)
         update(sender, 6)

@@ -16,7 +16,7 @@ from lorarl.lora_merge import iter_merged_weights
 from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
 from lorarl.trainer.engines import SamplingParams
-from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
+from lorarl.trainer.engines.vllm_worker import VllmWorker
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.presets import PRESETS
 
@@ -41,7 +41,7 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
     trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="adapter")
     trainer.start_engine()
     engine = trainer.engine
-    assert isinstance(engine, InlineVllmEngine)
+    assert isinstance(engine.worker, VllmWorker)  # inline
     prompts = [e.prompt_ids for e in trainer.rollouts.examples[:4]]
     requests = []
     try:
@@ -51,7 +51,7 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
                     if "lora_B" in name:
                         p.normal_(std=0.2, generator=torch.Generator().manual_seed(version * 100 + len(name)))
             trainer.weights.sync(version=version)
-            requests.append(engine.serving.lora_request)
+            requests.append(engine.worker.serving.lora_request)
             reference = hf_model(trainer_setup["model"], dict(iter_merged_weights(trainer.model)))
             completions = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=6))
             for prompt, c in zip(prompts, completions, strict=True):
@@ -59,7 +59,9 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
                 assert (below_best <= 1e-4).all()
                 assert (torch.tensor(c.logprobs, dtype=torch.double) - expected).abs().max() <= LOGPROB_TOLERANCE
                 assert c.version == version
-            assert [p.name for p in engine.serving.adapter_dir.iterdir()] == [f"v{version}"]  # older ones removed
+            assert [p.name for p in engine.worker.serving.adapter_dir.iterdir()] == [
+                f"v{version}"
+            ]  # older ones removed
     finally:
         engine.close()
     assert len({r.lora_int_id for r in requests}) == 3  # a fresh id each: vLLM would serve a reused id's old adapter

@@ -17,7 +17,7 @@ from vllm_cpu_helpers import (
 
 from lorarl.trainer.engines import SamplingParams
 from lorarl.trainer.engines.vllm_worker import VllmServing
-from lorarl.weight_sync import TransferError
+from lorarl.weight_sync import TransferError, Update
 from lorarl.weight_sync.vllm import INCOMPLETE, OfflineClient, VllmWeightTransfer, update_round
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -51,7 +51,7 @@ def test_versions_sent_in_process_serve_what_transformers_computes(model_dir):
             # the embedding changes in versions 1 and 3: a tied LM head must serve it (vLLM's CPU backend keeps a
             # prepacked GEMM of the head's own, which its layerwise reload must process again)
             state = perturbed(base, version, embeddings=version != 2)
-            stats = transfer.send(state, version=version)
+            stats = transfer.send(Update("weights", version, state))
             assert (stats.version, stats.tensors) == (version, len(state))
             assert llm.get_weight_version() == str(version)
             llm.reset_prefix_cache()
@@ -118,15 +118,15 @@ def test_a_version_that_fails_while_applied_makes_the_engine_refuse_until_one_ap
         transfer = VllmWeightTransfer(OfflineClient(llm), channel="local")
         base = hf_model(directory)
         v1 = perturbed(base, 1, embeddings=True)
-        serving.update(lambda: transfer.send(v1, version=1), 1)
+        serving.update(lambda: transfer.send(Update("weights", 1, v1)), 1)
         bad = perturbed(base, 2, embeddings=True) | {"model.layers.0.mlp.no_such_proj.weight": torch.zeros(4, 4)}
         with pytest.raises(RuntimeError, match=INCOMPLETE):
-            serving.update(lambda: transfer.send(bad, version=2), 2)
+            serving.update(lambda: transfer.send(Update("weights", 2, bad)), 2)
         with pytest.raises(Exception, match="refuses to generate"):
             serving.generate(PROMPTS, GREEDY_4)
         assert serving.version == 1
         v3 = perturbed(base, 3, embeddings=True)
-        serving.update(lambda: transfer.send(v3, version=3), 3)
+        serving.update(lambda: transfer.send(Update("weights", 3, v3)), 3)
         assert {c.version for c in serving.generate(PROMPTS, GREEDY_4)} == {3}
         assert_greedy_and_logprobs_match(llm, hf_model(directory, v3), PROMPTS, version="3")
     finally:

@@ -16,7 +16,7 @@ from lorarl.trainer.engines.vllm_worker import VllmSettings, engine_args, sampli
 
 def settings(**extra):
     values = {"dtype": torch.bfloat16, "tensor_parallel_size": 2, "gpu_memory_utilization": 0.4, "max_model_len": 2048,
-              "seed": 3, "adapter_rank": None, "devices": "1,2"}  # fmt: skip
+              "seed": 3, "max_lora_rank": None, "devices": "1,2"}  # fmt: skip
     values.update(extra)
     return VllmSettings(str(default_task.MODEL_DIR), **values)  # a real local model directory
 
@@ -32,7 +32,7 @@ def test_engine_args_are_vllm_engine_args_with_the_real_weights_and_lorarls_tran
     assert "lorarl" in WeightTransferEngineFactory._registry  # registered by the plugin, in every vLLM process
     assert engine.logprobs_mode == "processed_logprobs"  # the distribution it samples from, after temperature
     assert (engine.gpu_memory_utilization, engine.enforce_eager, engine.enable_lora) == (0.4, False, False)
-    with_adapter = EngineArgs(**engine_args(settings(adapter_rank=32)))
+    with_adapter = EngineArgs(**engine_args(settings(max_lora_rank=32)))
     assert (with_adapter.enable_lora, with_adapter.max_lora_rank) == (True, 32)
 
 
@@ -109,7 +109,8 @@ def test_on_the_cpu_the_kv_cache_holds_a_steps_rollouts_and_no_more():
     assert gib * (1 << 30) == 1.25 * 256 * 32 * per_token + (64 << 20)
     own = VllmEngineSettings()  # rollout.vllm.*, as the config defaults them
     context = types.SimpleNamespace(model_path=str(default_task.MODEL_DIR), dtype=torch.float32, seed=0,
-                                    adapter_rank=None, device="cpu", sequences=256, sequence_tokens=520)  # fmt: skip
+                                    forms=("weights",), lora_rank=0, device="cpu", sequences=256,
+                                    sequence_tokens=520, inline=True, bucket_bytes=1 << 20)  # fmt: skip
     settings = VllmWorker.settings(own, context)
     assert (settings.max_model_len, settings.kv_cache_gb) == (32, gib)
     chosen = VllmWorker.settings(VllmEngineSettings(kv_cache_gb=3.0), context)

@@ -45,15 +45,15 @@ def trainer_overrides(setup: dict[str, str], output_dir: Path, **extra) -> list[
                           rollout__vllm__kv_cache_gb=0.25, **extra)  # fmt: skip
 
 
-def engine_settings(model_dir: Path, *, adapter_rank: int | None = None) -> VllmSettings:
+def engine_settings(model_dir: Path, *, max_lora_rank: int | None = None) -> VllmSettings:
     """vLLM (float32) on the CPU, as the trainer configures it."""
-    return VllmSettings(str(model_dir), torch.float32, 1, 0.5, None, seed=0, adapter_rank=adapter_rank,
+    return VllmSettings(str(model_dir), torch.float32, 1, 0.5, None, seed=0, max_lora_rank=max_lora_rank,
                         devices=None, device="cpu", kv_cache_gb=0.25)  # fmt: skip
 
 
-def start_engine(model_dir: Path, *, adapter_rank: int | None = None):
+def start_engine(model_dir: Path, *, max_lora_rank: int | None = None):
     """vLLM on the CPU in this process, with lorarl's weight-transfer backend (`engine_settings`)."""
-    return start_llm(engine_settings(model_dir, adapter_rank=adapter_rank))
+    return start_llm(engine_settings(model_dir, max_lora_rank=max_lora_rank))
 
 
 def hf_model(model_dir: Path, state: dict[str, torch.Tensor] | None = None):
@@ -153,14 +153,14 @@ class SenderProcess:
 def _sender_main(conn, port: int, world: int) -> None:
     group = create_sync_group("127.0.0.1", port, world, 0, timeout=TIMEOUT)
     sender = BucketSender(group, bucket_bytes=64 << 10, direct_bytes=16 << 10, timeout=TIMEOUT, verify=True)
-    broadcast = sender.channel.broadcast
+    broadcast = sender.wire.broadcast
     while True:
         try:
             version, tensors, fault = conn.recv()
         except EOFError:
             return
         faulty = {"corrupt": corrupting, "die": dying}.get(fault)
-        sender.channel.broadcast = faulty(broadcast) if faulty else broadcast
+        sender.wire.broadcast = faulty(broadcast) if faulty else broadcast
         try:
             stats = sender.send(tensors, version=version, manifest=[(n, t.shape, t.dtype) for n, t in tensors.items()])
             conn.send(("ok", (stats.tensors, stats.bytes, stats.buckets)))

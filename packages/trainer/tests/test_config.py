@@ -61,7 +61,7 @@ def test_a_preset_in_the_file_then_the_file_then_the_command_line(tmp_path):
         (["model.lora.rnak=4"], "unknown key 'model.lora.rnak'; did you mean 'model.lora.rank'"),
         (["lr=1e-3"], "did you mean 'actor.lr'"),
         (["rollout.n=lots"], "rollout.n"),
-        (["rollout.sync=sometimes"], "rollout.sync='sometimes': expected one of merged, adapter"),
+        (["rollout.sync=sometimes"], "unknown sync kind 'sometimes': expected one of merged, adapter"),
         (["model.lora.rank"], "key=value"),
         (["rollout.n=0"], "rollout.n=0: expected a value >= 1"),
         (["algorithm.overlong_buffer_frac=1.5"], "algorithm.overlong_buffer_frac=1.5: expected a value in [0.0, 1.0]"),

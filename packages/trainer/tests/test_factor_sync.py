@@ -16,6 +16,7 @@ from lorarl.trainer.engines.hf import checksum
 from lorarl.trainer.loop import Trainer
 from lorarl.trainer.models import adapters
 from lorarl.trainer.presets import PRESETS
+from lorarl.weight_sync import Update
 from lorarl.weight_sync.factors import factor_set
 
 
@@ -102,12 +103,12 @@ def test_a_factor_set_that_does_not_fit_changes_nothing(tiny_setup, tmp_path, wo
             ({k: v for k, v in good.items() if k != f"{name}.lora_B"}, "lacks"),
         ]:
             with pytest.raises((EngineError, ValueError), match=why):
-                engine.sync_factors(broken, version=2)
+                engine.sync(Update("factors", 2, broken))
             assert engine.version == 1
             assert engine.checksum() == served
         nowhere = factor_set({"model.nowhere.weight": (torch.zeros(8, 32), torch.zeros(32, 8), 1.0, False)})
         with pytest.raises((EngineError, ValueError), match="the model lacks"):
-            engine.sync_factors(nowhere, version=2)
+            engine.sync(Update("factors", 2, nowhere))
         assert engine.version == 1
         assert engine.checksum() == served
         randomize_adapter(trainer.model, 3)

@@ -86,11 +86,11 @@ class Scripted(Worker):
         return [Completion(i, (self.tokens[j % len(self.tokens)], self.eos), (-0.5, -0.5), True, self.version)
                 for i in range(len(prompts)) for j in range(sampling.n)]
 
-    def load_weights(self, named_tensors, version, manifest):
-        names = [name for name, _ in named_tensors]
-        CALLS["engine"].append((version, names, [spec[0] for spec in manifest]))
-        self.version = version
-        return SyncStats(version, len(names), 0, 0, 0.0)
+    def apply(self, update, *, shared=False):
+        names = [name for name, _ in update.named()]
+        CALLS["engine"].append((update.version, names, [spec.name for spec in update.specs]))
+        self.version = update.version
+        return SyncStats(update.version, len(names), 0, 0, 0.0)
 '''
 
 

@@ -10,7 +10,8 @@ from lorarl.trainer import default_task
 from lorarl.trainer.config import load_config
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.math_reward import equivalent, extract_answer, math_exact
-from lorarl.trainer.rewards import Response, RewardError, Rewards, call, load_reward, style
+from lorarl.trainer.rewards import Response, RewardError, call, load_reward, style
+from lorarl.trainer.scoring import Rewards
 
 
 @pytest.mark.parametrize(

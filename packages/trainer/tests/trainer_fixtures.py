@@ -114,9 +114,9 @@ def make_adapter_nonzero(model) -> None:
                 p.normal_(std=0.3, generator=torch.Generator(device=p.device).manual_seed(len(name)))
 
 
-def greedy_after_sync(trainer, prompts: list, *, version: int, mode: str) -> list:
-    """The trainer's weights synced into its engine (`mode`: adapter, merged or base), then greedy completions."""
-    trainer.weights.sync(version=version, mode=mode)
+def greedy_after_sync(trainer, prompts: list, *, version: int, kind: str) -> list:
+    """The trainer's weights synced into its engine (`kind`: adapter, merged or base), then greedy completions."""
+    trainer.weights.sync(version=version, kind=kind)
     return trainer.engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=6))
 
 
@@ -128,11 +128,11 @@ def served_merged_served(trainer) -> tuple[list, list, list]:
         trainer.weights.sync()
         make_adapter_nonzero(trainer.model)
         prompts = [e.prompt_ids for e in trainer.rollouts.examples[:6]]
-        served = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
+        served = greedy_after_sync(trainer, prompts, version=3, kind="adapter")
         assert trainer.engine.version == 3
-        merged = greedy_after_sync(trainer, prompts, version=3, mode="merged")  # the same weights, merged this time
-        trainer.weights.sync(version=3, mode="base")  # and back: the base weights, then the adapter served on them
-        again = greedy_after_sync(trainer, prompts, version=3, mode="adapter")
+        merged = greedy_after_sync(trainer, prompts, version=3, kind="merged")  # the same weights, merged this time
+        trainer.weights.sync(version=3, kind="base")  # and back: the base weights, then the adapter served on them
+        again = greedy_after_sync(trainer, prompts, version=3, kind="adapter")
     finally:
         trainer.engine.close()
     return served, merged, again

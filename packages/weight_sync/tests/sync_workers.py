@@ -123,7 +123,7 @@ def send_failing_input(group, rank):
 
 def send_corrupted(group, rank):
     sender = BucketSender(group, bucket_bytes=SMALL_BUCKET, verify=True, direct_bytes=SMALL_BUCKET // 8)
-    broadcast = sender.channel.broadcast
+    broadcast = sender.wire.broadcast
     seen = {"controls": 0, "since_control": 0}
 
     def flip_a_byte_on_the_wire(tensor):  # fault injection: after the checksums were computed
@@ -137,21 +137,21 @@ def send_corrupted(group, rank):
             tensor[tensor.numel() // 2] ^= 1
         return broadcast(tensor)
 
-    sender.channel.broadcast = flip_a_byte_on_the_wire
+    sender.wire.broadcast = flip_a_byte_on_the_wire
     sender.send(mixed_tensors(), version=1)
 
 
 def send_lying_manifest(group, rank):
     """Fault injection: the transfer header announces "big" with another shape (same bytes) than its buckets carry."""
     sender = BucketSender(group, bucket_bytes=SMALL_BUCKET, direct_bytes=SMALL_BUCKET // 8)
-    broadcast_bytes = sender.channel.broadcast_bytes
+    broadcast_bytes = sender.wire.broadcast_bytes
 
     def lie(raw, what):
         header = TransferHeader.decode(raw)
         header.manifest = [spec._replace(shape=(200, 200)) if spec.name == "big" else spec for spec in header.manifest]
         return broadcast_bytes(header.encode(), what)
 
-    sender.channel.broadcast_bytes = lie
+    sender.wire.broadcast_bytes = lie
     sender.send(mixed_tensors(), version=1)
 
 
@@ -169,7 +169,7 @@ def load_lied_to(group, rank):
 
 def send_other_protocol(group, rank):
     sender = BucketSender(group)
-    sender.channel.broadcast_bytes(TransferHeader(1, "weights", 1 << 20, False, [], protocol=99).encode(), "header")
+    sender.wire.broadcast_bytes(TransferHeader(1, "weights", 1 << 20, False, [], protocol=99).encode(), "header")
     return "sent"
 
 

@@ -22,7 +22,7 @@ USAGE = """usage: trainer [CONFIG.yaml] [key=value ...]
        trainer eval --checkpoint DIR [--val-files FILE ...] [--n 8] [--out FILE.json] [key=value ...]
 
 GRPO-family RL with LoRA. With no arguments: the embedded default (a small model learning multi-digit addition), on
-CPU, in a few minutes. Presets: algorithm=<{presets}>.
+CPU, in about a minute. Presets: algorithm=<{presets}>.
 """
 
 

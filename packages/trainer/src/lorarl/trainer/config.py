@@ -22,7 +22,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from lorarl.trainer import validation
 from lorarl.trainer.errors import ConfigError
-from lorarl.trainer.schema import Config, leaves, pluggable
+from lorarl.trainer.pieces import pluggable
+from lorarl.trainer.registry import choices_of
+from lorarl.trainer.schema import Config, leaves
 
 # keys that moved under the piece they belong to: an old key still works (with a warning naming the new one)
 MOVED = {
@@ -181,7 +183,7 @@ def help_text(path: str | Path | None = None, overrides: list[str] = (), presets
     lines = ["Configuration keys (set in a YAML file or as key=value; later wins):", ""]
     for key, f in leaves(schema):
         default = f.default_factory() if f.default is MISSING else f.default
-        choices, low, high = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
+        choices, low, high = choices_of(f), f.metadata.get("minimum"), f.metadata.get("maximum")
         meaning = f.metadata.get("help", "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
         if low is not None or high is not None:
             meaning += f" [{'' if low is None else low}..{'' if high is None else high}]"
@@ -189,6 +191,7 @@ def help_text(path: str | Path | None = None, overrides: list[str] = (), presets
     for key, registry in pluggable().items():
         if key != "reward.fns":
             lines += ["", f"{key}: the registered choices"] + [f"  {e.name:24} {e.summary}" for e in registry.entries()]
+            lines += [f"  {word:24} {meaning}" for word, meaning in registry.keywords.items()]
     return "\n".join(lines)
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lorarl.trainer import data, rewards
+from lorarl.trainer import data, scoring
 from lorarl.trainer.engines import RolloutEngine
 from lorarl.trainer.rollout import greedy_scores, responses
 
 
-def evaluate(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: rewards.Rewards, *,
+def evaluate(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: scoring.Rewards, *,
              max_tokens: int, version: int) -> dict:  # fmt: skip
     """Mean reward, and accuracy (the share with full reward, >= 1), of the engine's greedy answers from weights
     `version`."""
@@ -57,7 +57,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     examples = examples[: config.data.val_size] if config.data.val_size else examples
     settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
                           config.rollout.hf.batch_size)  # fmt: skip
-    r, reward = config.rollout, rewards.Rewards(config.reward)
+    r, reward = config.rollout, scoring.Rewards(config.reward)
     prompts = [list(e.prompt_ids) for e in examples]
     try:
         model.eval()

@@ -41,3 +41,10 @@ class StopRequest:
         self.requested, self._first_at, self.signal_name = True, now, signal.Signals(signum).name
         what = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
         self.say(f"{what}: stopping after this step, with a checkpoint (Ctrl-C again to quit now)")
+
+
+def ignore_stop_signals() -> None:
+    """In a helper process (engine, reward scorer): SIGINT and SIGTERM sent to the whole process group are left to
+    the trainer, which finishes its step, checkpoints, and then ends its helpers."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)

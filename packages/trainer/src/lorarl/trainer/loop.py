@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from lorarl.trainer import algorithms, checkpoint, data, rewards
+from lorarl.trainer import algorithms, checkpoint, data, scoring
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.console import Console, summary
 from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
@@ -26,6 +26,7 @@ from lorarl.trainer.models import Critic, Policy, load_tokenizer, resolve_device
 from lorarl.trainer.parallel import full_state_dict, gathered_trainable, setup_data_parallel, shard
 from lorarl.trainer.recompute import checkpoint_layers
 from lorarl.trainer.rollout import Rollouts, sampling_params
+from lorarl.trainer.sync_kinds import AUTO, SYNC_KINDS
 from lorarl.trainer.update import ActorUpdate, to_batch
 from lorarl.trainer.weights import WeightSync, describe_choice
 
@@ -71,7 +72,7 @@ class Trainer:
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
-        self.reward = rewards.Rewards(config.reward)
+        self.reward = scoring.Rewards(config.reward)
         self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip
@@ -157,7 +158,7 @@ class Trainer:
         try:
             with console.live(self.start_step):
                 stop.say = console.say
-                chosen = self._choose_sync() if self.config.rollout.sync == "auto" else {}
+                chosen = self._choose_sync() if self.config.rollout.sync == AUTO else {}
                 if chosen:
                     console.say(describe_choice(chosen))
                 self.weights.sync()  # the engine starts from disk: give it this run's weights (an adapter, a resume)
@@ -191,7 +192,7 @@ class Trainer:
         """A data-parallel rank other than 0: the same steps, its share of the training, the collectives (it stops
         where rank 0 does)."""
         t = self.config.trainer
-        if self.config.rollout.sync == "auto":
+        if self.config.rollout.sync == AUTO:
             self._choose_sync()
         self.weights.sync()
         for step in range(self.start_step + 1, t.steps + 1):
@@ -212,10 +213,12 @@ class Trainer:
     def start_engine(self) -> RolloutEngine:
         """The rollout engine `rollout.*` describes (`engines.start_engine`), started and fed by this trainer."""
         r, t = self.config.rollout, self.config.trainer
-        adapter_rank = self.model.peft_config["default"].r if r.sync in ("adapter", "auto") else None
+        kinds = SYNC_KINDS.entries() if r.sync == AUTO else [SYNC_KINDS[r.sync]]  # auto may end on any
+        lora_rank = self.model.peft_config["default"].r if hasattr(self.model, "peft_config") else 0
         context = EngineContext(str(self.policy.path), self.rollout_dtype, str(self.device),
-                                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed, adapter_rank,
-                                r.overlap, self.config.data.batch_size * r.n,
+                                self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed,
+                                tuple(sorted({kind.form for kind in kinds})), lora_rank, r.overlap,
+                                self.config.data.batch_size * r.n,
                                 self.config.data.max_prompt_tokens + r.max_tokens)  # fmt: skip
         engine = start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
         self.engine = engine
@@ -225,8 +228,9 @@ class Trainer:
         return engine
 
     def _weight_sync(self, engine: RolloutEngine | None) -> WeightSync:
-        return WeightSync(self.model, engine, mode=self.config.rollout.sync, dtype=self.rollout_dtype, dp=self.dp,
-                          version=self.start_step)  # fmt: skip
+        sync = self.config.rollout.sync
+        return WeightSync(self.model, engine, kind="merged" if sync == AUTO else sync, dtype=self.rollout_dtype,
+                          dp=self.dp, version=self.start_step)  # fmt: skip
 
     def _choose_sync(self) -> dict:
         prompts = [e.prompt_ids for e in self.train_set[: self.config.data.batch_size]]

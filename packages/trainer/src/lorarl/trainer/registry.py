@@ -22,12 +22,18 @@ from typing import Any, Generic, TypeVar
 def option(default, help: str, choices: Iterable | None = None, *, minimum: float | None = None,
            maximum: float | None = None):  # fmt: skip
     """A config key (of a section, or of a plugin's settings): its default, one-line meaning, and the values it
-    accepts (choices — a tuple, or a registry, whose names are read when a config is checked — or an inclusive
-    range); `--help` shows them."""
+    accepts (choices — a tuple, a registry, whose names are read when a config is checked, or the import path of a
+    tuple that a piece owns, `module:NAME` — or an inclusive range); `--help` shows them."""
     meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def choices_of(key: Any) -> Iterable | None:
+    """The values a key (a dataclass field made by `option`) accepts, if it names them (an import path: imported)."""
+    choices = key.metadata.get("choices")
+    return import_object(choices) if isinstance(choices, str) else choices
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,9 @@ class Registry(Generic[P]):
     Iterating yields the names; `in` and `[]` also accept import paths, so a registry serves as a config key's
     choices."""
 
-    def __init__(self, kind: str, entry_type: type[P] = Plugin):
+    def __init__(self, kind: str, entry_type: type[P] = Plugin, *, keywords: dict[str, str] | None = None):
         self.kind, self.entry_type = kind, entry_type
+        self.keywords = dict(keywords or {})  # names a config may give besides the entries', with their meaning
         self._entries: dict[str, P] = {}
         self._imported: dict[str, P] = {}  # import path -> the entry it named
         self._by_target: dict[Any, P] = {}  # a registered function or class -> its (first) entry
@@ -129,7 +136,8 @@ class Registry(Generic[P]):
             return self._imported[spec]
         close = difflib.get_close_matches(str(spec), self._entries, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise PluginError(f"unknown {self.kind} {spec!r}: expected one of {', '.join(self._entries)}, or an import "
+        names = ", ".join([*self._entries, *self.keywords])
+        raise PluginError(f"unknown {self.kind} {spec!r}: expected one of {names}, or an import "
                           f"path (package.module:name or path/to/file.py:name){hint}")  # fmt: skip
 
     def entry_of(self, target: Any) -> P | None:

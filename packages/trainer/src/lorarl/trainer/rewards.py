@@ -25,7 +25,6 @@ from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.math_reward import math_exact
 from lorarl.trainer.registry import Plugin, PluginError, Registry, import_object
-from lorarl.trainer.schema import RewardSection
 
 
 @dataclass(frozen=True)
@@ -210,75 +209,3 @@ class RewardError(TrainerError):
 
 def _raised(error: BaseException) -> str:
     return f"raised {type(error).__name__}: {error}"
-
-
-@dataclass(frozen=True)
-class Score:
-    total: float  # the weighted sum of the parts (None: no score from that function, counted 0)
-    parts: tuple[float | None, ...]  # each function's score
-    errors: int = 0  # calls that failed and were scored reward.error_score
-
-
-class Rewards:
-    """The run's reward: the weighted sum of its functions' scores (a None counts 0, as in TRL), each function's mean
-    logged as `reward/fn/<name>` when there are several. A failure raises — or, with `reward.on_error=score`, scores
-    `reward.error_score`, counted in `reward/errors`. With `reward.workers`, a pool of processes scores the
-    responses, each call stopped after `reward.timeout_s`."""
-
-    def __init__(self, section: RewardSection):
-        specs = list(section.fns) or [section.fn]
-        weights = list(section.weights) or [1.0] * len(specs)  # (one per function: checked with the config)
-        self.specs, self.weights, self.section = specs, weights, section
-        self.fns = [load_reward(spec) for spec in specs]
-        self.options = [fn.configured(section) for fn in self.fns]
-        self.names = [fn.name for fn in self.fns]
-        self.pool = None
-        if section.workers:
-            from lorarl.trainer.reward_pool import ScoringPool
-
-            self.pool = ScoringPool(specs, self.options, section.workers, section.timeout_s)
-
-    def score(self, responses: Sequence[Response]) -> list[Score]:
-        """Each response's reward and its functions' parts."""
-        parts: list[list[float | None]] = [[] for _ in responses]
-        errors = [0] * len(responses)
-        for index, fn in enumerate(self.fns):
-            if self.pool is not None:
-                results = self.pool.score(index, responses)
-            elif self.section.on_error == "raise":
-                results = call(fn, responses, self.options[index])
-            else:  # one call per response, so that one failure leaves the others scored
-                results = [_caught(fn, response, self.options[index]) for response in responses]
-            for i, result in enumerate(results):
-                if isinstance(result, RewardError):
-                    if self.section.on_error == "raise":
-                        raise result
-                    errors[i] += 1
-                    result = self.section.error_score
-                parts[i].append(result)
-        return [Score(sum(w * p for w, p in zip(self.weights, ps, strict=True) if p is not None), tuple(ps), e)
-                for ps, e in zip(parts, errors, strict=True)]  # fmt: skip
-
-    def metrics(self, scores: Sequence[Score]) -> dict:
-        """Each function's mean over the responses it scored (with several functions), and the failed calls."""
-        metrics = {}
-        if len(self.fns) > 1:
-            for index, name in enumerate(self.names):
-                given = [s.parts[index] for s in scores if s.parts[index] is not None]
-                if given:
-                    metrics[f"reward/fn/{name}"] = sum(given) / len(given)
-        errors = sum(s.errors for s in scores)
-        if errors:
-            metrics["reward/errors"] = errors
-        return metrics
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
-
-def _caught(fn: Callable, response: Response, options: dict) -> float | RewardError | None:
-    try:
-        return call(fn, [response], options)[0]
-    except RewardError as e:
-        return e

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from lorarl.trainer import algorithms, data, rewards
+from lorarl.trainer import algorithms, data, rewards, scoring
 from lorarl.trainer.config import Config
 from lorarl.trainer.engines import GREEDY, Completion, EngineError, RolloutEngine, SamplingParams
 
@@ -23,14 +23,14 @@ class Sample:
     score: float
     reward: float
     baseline: float | None = None  # the score of the prompt's greedy response (estimators that ask for one)
-    scored: rewards.Score | None = None  # the reward functions' own scores, weighted into `score`
+    scored: scoring.Score | None = None  # the reward functions' own scores, weighted into `score`
 
 
 class Rollouts:
     """Draws the training prompts (`sampler`), has `engine` answer them `rollout.n` times, scores the answers."""
 
     def __init__(self, config: Config, engine: RolloutEngine, examples: list[data.Example],
-                 sampler: data.PromptSampler, tokenizer, reward: rewards.Rewards,
+                 sampler: data.PromptSampler, tokenizer, reward: scoring.Rewards,
                  prefetched: tuple[list[int], list[Completion]] | None = None) -> None:  # fmt: skip
         self.config, self.engine, self.examples, self.sampler = config, engine, examples, sampler
         self.tokenizer, self.reward = tokenizer, reward
@@ -110,7 +110,7 @@ class Rollouts:
                 for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
 
 
-def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: rewards.Rewards, *,
+def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: scoring.Rewards, *,
                   max_tokens: int, version: int, lag: int = 0) -> list[float]:  # fmt: skip
     """The run's reward of the engine's greedy answer to each prompt, from weights `version` (or `lag` before):
     validation, and the baseline of ReMax-style estimators."""

@@ -1,13 +1,12 @@
 """The configuration's fixed schema: one dataclass per section, each key with its default, one-line meaning and
-accepted values (`option`). The pluggable pieces' own settings join it from their registries (`config.py` derives the
-full schema); the keys that choose them (`pluggable`) are checked against those registries. Imports no torch."""
+accepted values (`option`; values owned by a piece are named by import path, read when a config is checked). The
+pluggable pieces' own settings join it from their registries (`config.py` derives the full schema); the keys that
+choose them (`pieces.py`) are checked against those registries. A leaf: imports no other module of the trainer but
+the registry's `option`, and no torch."""
 
 from dataclasses import dataclass, field, fields, is_dataclass
 
 from lorarl.trainer.registry import option
-
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-IS_LEVELS = ("token", "sequence", "token_mask", "sequence_reject")
 
 
 @dataclass
@@ -57,12 +56,12 @@ class RolloutSection:
     temperature: float = option(1.0, "sampling temperature (0: greedy, one response per prompt)", minimum=0.0)
     top_p: float = option(1.0, "nucleus sampling threshold, in (0, 1]", maximum=1.0)
     max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
-    sync: str = option("merged", "what reaches the engine after each step: merged weights; the adapter alone (served "
-                       "unmerged); the LoRA factors alone (factors: the engine merges them into its weights from a "
-                       "pristine copy of the adapted base weights, sent once — that copy costs the engine their size "
-                       "in the trainer's dtype, or the engine's where that holds them exactly; none inline on the HF "
-                       "engine, which reads the trainer's own); or auto (measure each once)",
-                       ("merged", "adapter", "factors", "auto"))  # fmt: skip
+    sync: str = option("merged", "what reaches the engine after each step (a sync kind, or a plugin's import path): "
+                       "merged weights; the adapter alone (served unmerged); the LoRA factors alone (factors: the "
+                       "engine merges them into its weights from a pristine copy of the adapted base weights, sent "
+                       "once — that copy costs the engine their size in the trainer's dtype, or the engine's where "
+                       "that holds them exactly; none inline on the HF engine, which reads the trainer's own); or "
+                       "auto (measure each once)")  # fmt: skip
     dtype: str = option("auto", "the engine's weights dtype; auto: bfloat16 for a float32 model where the device "
                         "computes bfloat16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else model.dtype "
                         "(the trainer recomputes log-probs in model.dtype either way)",
@@ -90,7 +89,8 @@ class AlgorithmSection:
                              maximum=1.0)  # fmt: skip
     clip_high: float = option(0.2, "ratio clip above 1 (1 + clip_high; DAPO's clip-higher raises it)", minimum=0.0)
     dual_clip: float | None = option(None, "dual-clip bound c > 1 for negative advantages (None = off)")
-    loss_agg_mode: str = option("token-mean", "loss aggregation", AGG_MODES)
+    loss_agg_mode: str = option("token-mean", "loss aggregation",
+                                "lorarl.trainer.algorithms.aggregation:AGG_MODES")  # fmt: skip
     kl_coef: float = option(0.0, "weight of the KL to the reference policy (0 = off)")
     kl_estimator: str = option("k3", "KL estimator (algorithms/kl.py), or a plugin's import path")
     kl_in_reward: bool = option(False, "subtract the KL from the reward instead of adding a loss term")
@@ -106,7 +106,7 @@ class AlgorithmSection:
     mask_truncated: bool = option(False, "responses cut at rollout.max_tokens get no loss (DAPO's overlong filtering)")
     rollout_correction: str = option("none", "against the engine's mismatch: truncated IS weights (token, sequence), "
                                      "or masking tokens / rejecting sequences outside rollout_correction_band",
-                                     ("none", *IS_LEVELS))  # fmt: skip
+                                     "lorarl.trainer.algorithms.rollout_correction:CORRECTIONS")  # fmt: skip
     rollout_correction_cap: float = option(2.0, "truncation cap of the rollout-correction weights", minimum=1.0)
     rollout_correction_band: list[float] = option([0.5, 2.0], "[low, high] of the ratio kept by token_mask and "
                                                   "sequence_reject")  # fmt: skip
@@ -175,7 +175,8 @@ class TrainerSection:
                               "advantage)", minimum=0)  # fmt: skip
     resume: str = option("never", "never, auto (latest checkpoint in output_dir) or a checkpoint directory")
     device: str = option("auto", "auto, cpu or cuda")
-    backend: str = option("local", "local (engine in a child process) or ray (engines as Ray actors)", ("local", "ray"))
+    backend: str = option("local", "local (the engine where rollout.worker places it) or ray (engines as Ray "
+                          "actors)", ("local", "ray"))  # fmt: skip
     n_gpus_per_node: int = option(1, "trainer ranks per node with backend=ray (a GPU each; processes on CPU)",
                                   minimum=1)  # fmt: skip
     nnodes: int = option(1, "nodes of trainer ranks with backend=ray (data-parallel size: n_gpus_per_node x nnodes)",
@@ -193,18 +194,6 @@ class Config:
     critic: CriticSection = field(default_factory=CriticSection)
     reward: RewardSection = field(default_factory=RewardSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
-
-
-def pluggable() -> dict:
-    """Each key that chooses a pluggable piece, and the registry it chooses from (the piece's settings live in the
-    key's section, under the piece's name)."""
-    from lorarl.trainer.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
-    from lorarl.trainer.engines import ENGINES
-    from lorarl.trainer.rewards import REWARDS
-
-    return {"algorithm.adv_estimator": ADVANTAGES, "algorithm.policy_loss": POLICY_LOSSES,
-            "algorithm.kl_estimator": KL_ESTIMATORS, "rollout.engine": ENGINES, "reward.fn": REWARDS,
-            "reward.fns": REWARDS}  # fmt: skip
 
 
 def leaves(cls, prefix: str = ""):

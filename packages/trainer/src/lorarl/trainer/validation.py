@@ -5,8 +5,9 @@ import importlib.util
 import sys
 
 from lorarl.trainer.errors import ConfigError
-from lorarl.trainer.registry import PluginError, Registry
-from lorarl.trainer.schema import Config, leaves, pluggable
+from lorarl.trainer.pieces import pluggable
+from lorarl.trainer.registry import PluginError, Registry, choices_of
+from lorarl.trainer.schema import Config, leaves
 
 
 def check(config: Config, schema: type) -> None:
@@ -24,6 +25,8 @@ def load_plugin(key: str, spec: str, registry: Registry) -> None:
         except Exception as e:
             raise ConfigError(str(e)) from None
         return
+    if spec in registry.keywords:
+        return
     try:
         registry[spec]
     except PluginError as e:
@@ -34,7 +37,7 @@ def check_values(config: Config, schema: type) -> None:
     for key, f in leaves(schema):
         section, name = key.rsplit(".", 1)
         value = getattr(_resolve(config, section), name)
-        choices, low, high = f.metadata.get("choices"), f.metadata.get("minimum"), f.metadata.get("maximum")
+        choices, low, high = choices_of(f), f.metadata.get("minimum"), f.metadata.get("maximum")
         if choices and value not in choices:
             raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(str, choices))}")
         if value is None:  # an optional key left unset

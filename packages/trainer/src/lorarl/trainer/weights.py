@@ -1,10 +1,10 @@
-"""The trainer's side of the weight sync (`rollout.sync`): after each update the engine gets the merged weights
-(base + adapter, streamed one layer at a time); only the adapter, which it serves unmerged on the base it holds; or
-only the LoRA factors, which it merges into its serving weights from a pristine copy of the base (`factors`: the base
-weights go with the first sync only); `auto` measures each once and keeps the fastest."""
+"""The trainer's side of the weight sync: after each update the engine gets one `Update`, made by the run's sync kind
+(`rollout.sync`, `sync_kinds.py`; the built-in kinds are the functions below); `auto` measures each kind once and
+keeps the fastest."""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -13,93 +13,133 @@ from lorarl.lora_merge import iter_merged_weights, lora_factors, merged_weight_s
 from lorarl.trainer.engines import EngineError, RolloutEngine
 from lorarl.trainer.models import adapters
 from lorarl.trainer.parallel import DataParallel, full_state_dict
-from lorarl.weight_sync import SyncStats
+from lorarl.trainer.sync_kinds import SYNC_KINDS, SyncKind
+from lorarl.weight_sync import SyncStats, Update
 from lorarl.weight_sync.factors import factor_set
 
-MODES = ("adapter", "merged", "factors")
+
+@dataclass
+class SyncSource:
+    """What a sync kind makes an update from: the trainer's peft `model`, the engine's `dtype`, the data-parallel
+    group (`dp`, None: one rank), and the kinds the engine has received so far (`sent`)."""
+
+    model: nn.Module
+    dtype: torch.dtype
+    dp: DataParallel | None = None
+    sent: set[str] = field(default_factory=set)
+
+
+def merged(source: SyncSource, version: int) -> Update:
+    """The merged weights W + s·B@A in the engine's dtype, streamed layer by layer (the base untouched)."""
+    model, dtype = source.model, source.dtype
+    return Update("weights", version, iter_merged_weights(model, dtype=dtype), merged_weight_specs(model, dtype=dtype))
+
+
+def base(source: SyncSource, version: int) -> Update:
+    """The base weights alone (the adapter disabled while they stream)."""
+    with adapters(source.model, None):
+        manifest = merged_weight_specs(source.model, dtype=source.dtype)
+
+    def stream() -> Iterator:
+        with adapters(source.model, None):
+            yield from iter_merged_weights(source.model, dtype=source.dtype)
+
+    return Update("weights", version, stream(), manifest)
+
+
+def adapter(source: SyncSource, version: int) -> Update:
+    """The adapter's tensors (gathered, with data parallelism) and its peft config."""
+    from peft import get_peft_model_state_dict
+
+    tensors = get_peft_model_state_dict(source.model)
+    tensors = full_state_dict(tensors) if source.dp is not None else {k: v.detach() for k, v in tensors.items()}
+    return Update("adapter", version, tensors, config=source.model.peft_config["default"].to_dict())
+
+
+def factors(source: SyncSource, version: int) -> Update:
+    """The LoRA factors, with the base weights they add to in the first update."""
+    found = lora_factors(source.model)
+    first = "factors" not in source.sent
+    return Update("factors", version, factor_set(found, base_weights(source.model, found) if first else None))
+
+
+def base_weights(model: nn.Module, factors: dict) -> dict[str, torch.Tensor]:
+    """The frozen base weights the factors add to, with every tensor of their sibling modules (an engine that fuses
+    layers — vLLM's q/k/v with their biases, gate/up — reloads a fused layer whole): the trainer's own."""
+    parents = {name.rsplit(".", 2)[0] for name in factors}  # "model.layers.0.self_attn" of ".q_proj.weight"
+    with adapters(model, None):
+        return {name: tensor for name, tensor in iter_merged_weights(model) if name.rsplit(".", 2)[0] in parents}
 
 
 class WeightSync:
-    """Sends `model`'s weights (in `dtype`, the engine's) to `engine` as weights version `version`. With data
-    parallelism every rank takes part in the gathers and rank 0 — the only one with an engine — sends."""
+    """Sends `model`'s weights (in `dtype`, the engine's) to `engine` as weights version `version`, each sync an
+    update of the kind `kind` (a name or import path of `SYNC_KINDS`). With data parallelism every rank builds the
+    update (taking part in its gathers) and rank 0 — the only one with an engine — sends it."""
 
-    def __init__(self, model: nn.Module, engine: RolloutEngine | None, *, mode: str, dtype: torch.dtype,
+    def __init__(self, model: nn.Module, engine: RolloutEngine | None, *, kind: str, dtype: torch.dtype,
                  dp: DataParallel | None, version: int):  # fmt: skip
-        self.model, self.engine, self.mode, self.dtype, self.dp = model, engine, mode, dtype, dp  # no engine: rank > 0
+        self.engine = engine  # None: a data-parallel rank other than 0
+        self.source = SyncSource(model, dtype, dp)
         self.version = version
-        self.engine_has_base = False  # the factor sync's base weights went to the engine already
-        if mode == "factors" and dp is not None:
-            raise EngineError("rollout.sync=factors takes an unsharded adapter: with data-parallel ranks use merged")
+        self.kind = self._checked(SYNC_KINDS[kind])
 
-    def sync(self, version: int | None = None, mode: str | None = None) -> SyncStats | None:
-        """Stream the merged weights (`mode` "merged"), only the adapter ("adapter"), only the LoRA factors
-        ("factors"), or the base weights alone ("base", the adapter disabled); default: this run's mode and version."""
+    def _checked(self, kind: SyncKind) -> SyncKind:
+        if self.source.dp is not None and not kind.sharded:
+            raise EngineError(f"rollout.sync={kind.name} takes an unsharded model: with data-parallel ranks use one of "
+                              f"{', '.join(k.name for k in SYNC_KINDS.entries() if k.sharded)}")  # fmt: skip
+        return kind
+
+    def sync(self, version: int | None = None, kind: str | SyncKind | None = None) -> SyncStats | None:
+        """Send version `version` (default: this sync's) as an update of `kind` (default: this run's)."""
         version = self.version if version is None else version
-        mode = mode or self.mode
-        stats = None
-        if mode == "base":
-            with adapters(self.model, None):
-                return self.sync(version, mode="merged")
-        if mode == "adapter":
-            from peft import get_peft_model_state_dict
-
-            tensors = get_peft_model_state_dict(self.model)
-            tensors = full_state_dict(tensors) if self.dp is not None else {k: v.detach() for k, v in tensors.items()}
-            if self.engine is not None:
-                config = self.model.peft_config["default"].to_dict()
-                stats = self.engine.sync_adapter(tensors, config, version=version)
-        elif mode == "factors" and self.engine is not None:
-            factors = lora_factors(self.model)
-            tensors = factor_set(factors, None if self.engine_has_base else self.base_weights(factors))
-            stats = self.engine.sync_factors(tensors, version=version)
-            self.engine_has_base = True
-        elif self.engine is not None:
-            stats = self.engine.sync_weights(iter_merged_weights(self.model, dtype=self.dtype), version=version,
-                                             manifest=merged_weight_specs(self.model, dtype=self.dtype))  # fmt: skip
-        else:  # a data-parallel rank other than 0: take part in each layer's gather
-            for _ in iter_merged_weights(self.model, dtype=self.dtype):
+        kind = self._checked(SYNC_KINDS[kind]) if kind is not None else self.kind
+        update = kind.build(self.source, version)
+        if not isinstance(update, Update) or update.form != kind.form or update.version != version:
+            raise EngineError(f"sync kind {kind.name} ({kind.target}) returned {type(update).__name__} "
+                              f"{getattr(update, 'form', '')} version {getattr(update, 'version', '')}; expected a "
+                              f"{kind.form} Update of version {version}")  # fmt: skip
+        if self.engine is None:  # a data-parallel rank other than 0: take part in the gathers of a stream
+            for _ in update.named():
                 pass
-        if self.engine is not None and self.engine.version != version:  # the one check, for every engine
-            raise EngineError(f"the engine reports version {self.engine.version} after the {mode} sync of "
-                              f"version {version}")  # fmt: skip
+            stats = None
+        else:
+            stats = self.engine.sync(update)
+            if self.engine.version != version:  # the one check, for every engine
+                raise EngineError(f"the engine reports version {self.engine.version} after the {kind.name} sync of "
+                                  f"version {version}")  # fmt: skip
+        self.source.sent.add(kind.name)
         self.version = version
         return stats
 
-    def base_weights(self, factors: dict) -> dict[str, torch.Tensor]:
-        """The frozen base weights the factors add to, with every tensor of their sibling modules (an engine that
-        fuses layers — vLLM's q/k/v with their biases, gate/up — reloads a fused layer whole): the trainer's own."""
-        parents = {name.rsplit(".", 2)[0] for name in factors}  # "model.layers.0.self_attn" of ".q_proj.weight"
-        with adapters(self.model, None):
-            return {name: tensor for name, tensor in iter_merged_weights(self.model)
-                    if name.rsplit(".", 2)[0] in parents}  # fmt: skip
-
     def choose(self, generate: Callable[[], object]) -> dict:
-        """`rollout.sync=auto`: time one sync and one `generate()` (a rollout batch) in each mode (factors: its
-        second sync, without the base weights); keep the fastest for the run. Returns the figures (`sync/auto_*`)."""
+        """`rollout.sync=auto`: time one sync and one `generate()` (a rollout batch) of each kind marked `auto`
+        (a kind whose first update differs from the next — factors, with the base weights — is timed on its
+        second); keep the fastest for the run. Returns the figures (`sync/auto_*`)."""
         figures = {}
-        modes = MODES if self.dp is None else ("adapter", "merged")
-        for mode in modes:
-            if mode == "factors":
-                self.sync(mode=mode)  # the base weights go with the first
+        dp = self.source.dp
+        kinds = [k for k in SYNC_KINDS.entries() if k.auto and (dp is None or k.sharded)]
+        for kind in kinds:
+            self.sync(kind=kind)  # a first update may carry more (the factors' base weights)
             started = time.perf_counter()
-            self.sync(mode=mode)
+            self.sync(kind=kind)
             synced = time.perf_counter()
             if self.engine is not None:
                 generate()
-            figures[f"sync/auto_{mode}_sync_s"] = synced - started
-            figures[f"sync/auto_{mode}_generate_s"] = time.perf_counter() - synced
-        total = {mode: figures[f"sync/auto_{mode}_sync_s"] + figures[f"sync/auto_{mode}_generate_s"] for mode in modes}
+            figures[f"sync/auto_{kind.name}_sync_s"] = synced - started
+            figures[f"sync/auto_{kind.name}_generate_s"] = time.perf_counter() - synced
+        total = {k.name: figures[f"sync/auto_{k.name}_sync_s"] + figures[f"sync/auto_{k.name}_generate_s"]
+                 for k in kinds}  # fmt: skip
         choice = min(total, key=total.get)
-        self.mode = self.dp.broadcast(choice) if self.dp is not None else choice
-        if self.mode == "adapter":  # the engine holds merged weights now: give it the base back to serve on
-            self.sync(mode="base")
-        return {**figures, **{f"sync/auto_chose_{mode}": float(self.mode == mode) for mode in modes}}
+        self.kind = SYNC_KINDS[dp.broadcast(choice) if dp is not None else choice]
+        if self.kind.form == "adapter":  # the engine holds merged weights now: give it the base back to serve on
+            self.sync(kind="base")
+        return {**figures, **{f"sync/auto_chose_{k.name}": float(self.kind is k) for k in kinds}}
 
 
 def describe_choice(figures: dict) -> str:
     """`choose`'s figures as the line the console shows."""
-    modes = [mode for mode in MODES if f"sync/auto_{mode}_sync_s" in figures]
-    parts = [f"{mode}: sync {figures[f'sync/auto_{mode}_sync_s']:.2f} s + rollout "
-             f"{figures[f'sync/auto_{mode}_generate_s']:.2f} s" for mode in modes]  # fmt: skip
-    choice = next(mode for mode in modes if figures[f"sync/auto_chose_{mode}"])
+    kinds = [k.name for k in SYNC_KINDS.entries() if f"sync/auto_{k.name}_sync_s" in figures]
+    parts = [f"{kind}: sync {figures[f'sync/auto_{kind}_sync_s']:.2f} s + rollout "
+             f"{figures[f'sync/auto_{kind}_generate_s']:.2f} s" for kind in kinds]  # fmt: skip
+    choice = next(kind for kind in kinds if figures[f"sync/auto_chose_{kind}"])
     return f"rollout.sync=auto chose {choice} ({'; '.join(parts)})"

@@ -25,7 +25,7 @@ from lorarl.weight_sync.protocol import (
     TransferHeader,
     checksum,
 )
-from lorarl.weight_sync.transport import Channel
+from lorarl.weight_sync.transport import Collectives
 
 MAX_HEADER_BYTES = 256 << 20
 VIEW, OWNED, LANDED = "view", "owned", "landed"  # what a received tensor is (see _tensors)
@@ -88,8 +88,8 @@ class BucketReceiver:
         device: torch.device | str | None = None,
         timeout: float = 300.0,
     ):
-        self.channel = Channel(group, src, device, timeout)
-        if self.channel.rank == src:
+        self.wire = Collectives(group, src, device, timeout)
+        if self.wire.rank == src:
             raise ValueError(f"BucketReceiver runs on ranks other than src ({src})")
         self.version: int | None = None
         self._scratch: list[torch.Tensor | None] = [None, None]  # packed payloads being received (two buckets)
@@ -156,7 +156,7 @@ class BucketReceiver:
 
     @gc_paused()
     def _start(self, kind: str) -> _Transfer:
-        raw = self.channel.broadcast_bytes(None, "transfer header")
+        raw = self.wire.broadcast_bytes(None, "transfer header")
         header = TransferHeader.decode(raw)
         transfer = _Transfer(header)
         if header.manifest is not None:
@@ -170,12 +170,12 @@ class BucketReceiver:
         needed); consecutive buckets get different ones, as both may be in flight."""
         slot = index % 2
         if self._scratch[slot] is None or self._scratch[slot].numel() < size:
-            self._scratch[slot] = torch.empty(size, dtype=torch.uint8, device=self.channel.device)
+            self._scratch[slot] = torch.empty(size, dtype=torch.uint8, device=self.wire.device)
         return self._scratch[slot][:size]
 
     def _post_control(self, transfer: _Transfer) -> None:
-        transfer.control = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.channel.device)
-        transfer.pending = self.channel.broadcast(transfer.control)
+        transfer.control = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.wire.device)
+        transfer.pending = self.wire.broadcast(transfer.control)
 
     def _next_bucket(
         self, transfer: _Transfer, *, check: bool
@@ -191,7 +191,7 @@ class BucketReceiver:
         bucket, payload, direct = posted.bucket, posted.payload, posted.direct
         what = f"version {transfer.header.version}: bucket {bucket.index}"
         for work in posted.works:
-            self.channel.wait(work, what)
+            self.wire.wait(work, what)
         if check:
             if posted.error is not None:
                 raise posted.error
@@ -210,7 +210,7 @@ class BucketReceiver:
         if transfer.pending is None:
             self._post_control(transfer)
         what = f"version {version}: bucket {index}"
-        self.channel.wait(transfer.pending, what)
+        self.wire.wait(transfer.pending, what)
         transfer.pending = None
         control = transfer.control.cpu().numpy().tobytes()
         header_bytes, payload_bytes = int.from_bytes(control[:8], "little"), int.from_bytes(control[8:16], "little")
@@ -219,10 +219,8 @@ class BucketReceiver:
                 raise ProtocolError(f"{what}: header length {header_bytes} out of range")
             raw = control[16 : 16 + min(header_bytes, INLINE_HEADER_BYTES)]
             if header_bytes > INLINE_HEADER_BYTES:
-                overflow = torch.empty(
-                    header_bytes - INLINE_HEADER_BYTES, dtype=torch.uint8, device=self.channel.device
-                )
-                self.channel.wait(self.channel.broadcast(overflow), what)
+                overflow = torch.empty(header_bytes - INLINE_HEADER_BYTES, dtype=torch.uint8, device=self.wire.device)
+                self.wire.wait(self.wire.broadcast(overflow), what)
                 raw += overflow.cpu().numpy().tobytes()
             bucket = BucketHeader.decode(raw, payload_bytes, bucket_bytes)
             if bucket.index != index:
@@ -235,9 +233,9 @@ class BucketReceiver:
             if transfer.manifest_index and transfer.manifest_index.get(entry.spec.name) != entry.spec:
                 error = ProtocolError(f"{what}: {entry.spec.name!r} ({entry.spec}) is not in the manifest as sent")
         payload = self._payload(payload_bytes, index)
-        works = [self.channel.broadcast(payload)] if payload_bytes else []
+        works = [self.wire.broadcast(payload)] if payload_bytes else []
         direct = [self._landing(transfer, entry, check and error is None) for entry in bucket.direct]
-        works += [self.channel.broadcast(part) for part in direct if part.numel()]
+        works += [self.wire.broadcast(part) for part in direct if part.numel()]
         transfer.finished = bucket.last or bucket.abort is not None
         transfer.next_index += 1
         if not transfer.finished:
@@ -262,7 +260,7 @@ class BucketReceiver:
     def _assembly(self, transfer: _Transfer, nbytes: int) -> torch.Tensor:
         """Where a large tensor's bytes go: a free buffer of its size (`transfer.reuse`), else a new one."""
         free = self._free.get(nbytes) if transfer.reuse else None
-        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device=self.channel.device)
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device=self.wire.device)
 
     def _release(self, transfer: _Transfer, assembly: torch.Tensor) -> None:
         """The consumer has moved past the tensor in `assembly`: its buffer is free for the next one of its size."""
@@ -329,7 +327,7 @@ class BucketReceiver:
                 ),
                 drained=True,
             )
-        if self.channel.agree_failed(False, f"version {header.version}: status"):
+        if self.wire.agree_failed(False, f"version {header.version}: status"):
             raise TransferError(f"version {header.version}: another rank failed it")
         self.version = header.version
 
@@ -339,7 +337,7 @@ class BucketReceiver:
         try:
             while not transfer.exhausted:
                 self._next_bucket(transfer, check=False)
-            self.channel.agree_failed(True, f"version {transfer.header.version}: status")
+            self.wire.agree_failed(True, f"version {transfer.header.version}: status")
         except TransferError:
             pass
 
@@ -347,7 +345,7 @@ class BucketReceiver:
         if not drained:
             self._abandon(transfer)
         else:
-            self.channel.agree_failed(True, f"version {transfer.header.version}: status")
+            self.wire.agree_failed(True, f"version {transfer.header.version}: status")
         if applied:
             raise PartialLoadError(
                 f"version {transfer.header.version}: {type(error).__name__}: {error}", applied
@@ -379,8 +377,10 @@ class BucketReceiver:
 
         def into_the_parameter(entry: Entry) -> torch.Tensor | None:
             target = targets[entry.spec.name]
-            if not target.is_contiguous() or target.device != self.channel.device:
+            if not target.is_contiguous() or target.device != self.wire.device:
                 return None
+            if target.dtype != DTYPES[entry.spec.dtype]:
+                return None  # received beside it, then cast as it is copied
             if entry.start == 0:
                 touched.append(entry.spec.name)  # its bytes start changing now
             return target.detach().reshape(-1).view(torch.uint8)[entry.start : entry.start + entry.length]
@@ -413,7 +413,7 @@ def _mismatches(manifest: list[TensorSpec], targets: dict[str, torch.Tensor], st
         target = targets.get(spec.name)
         if target is None:
             problems.append(f"unknown name {spec.name!r}")
-        elif tuple(target.shape) != spec.shape or target.dtype != DTYPES[spec.dtype]:
+        elif tuple(target.shape) != spec.shape or not _castable(DTYPES[spec.dtype], target.dtype):
             problems.append(
                 f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, target has "
                 f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
@@ -421,3 +421,9 @@ def _mismatches(manifest: list[TensorSpec], targets: dict[str, torch.Tensor], st
     if strict:
         problems += [f"missing {name!r}" for name in targets if name not in sent]
     return problems
+
+
+def _castable(sent: torch.dtype, target: torch.dtype) -> bool:
+    """A tensor sent as `sent` loads into a `target` tensor: the same dtype, or floating point both (cast as it is
+    copied, as vLLM's loaders do: weights sent in another precision than the engine's)."""
+    return sent == target or (sent.is_floating_point and target.is_floating_point)

@@ -27,7 +27,7 @@ from lorarl.weight_sync.protocol import (
     checksum,
     jsonable,
 )
-from lorarl.weight_sync.transport import Channel
+from lorarl.weight_sync.transport import Collectives
 
 DEFAULT_BUCKET_BYTES = 256 << 20  # chosen by benchmarks/sync_throughput.py (see the package README)
 DEFAULT_DIRECT_BYTES = 1 << 20  # tensors this large are sent from their own memory rather than packed
@@ -63,9 +63,9 @@ class BucketSender:
         verify: bool = False,
         direct_bytes: int = DEFAULT_DIRECT_BYTES,
     ):
-        self.channel = Channel(group, src, device, timeout)
-        if self.channel.rank != src:
-            raise ValueError(f"BucketSender runs on the src rank ({src}); this process is rank {self.channel.rank}")
+        self.wire = Collectives(group, src, device, timeout)
+        if self.wire.rank != src:
+            raise ValueError(f"BucketSender runs on the src rank ({src}); this process is rank {self.wire.rank}")
         if bucket_bytes < 4 * ALIGN + 4096:
             raise ValueError(f"bucket_bytes must be at least {4 * ALIGN + 4096}, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
@@ -104,8 +104,8 @@ class BucketSender:
         self, header: TransferHeader, pairs: Iterable[tuple[str, torch.Tensor]], *, trusted_manifest: bool = False
     ) -> SyncStats:
         started = time.perf_counter()
-        channel = self.channel
-        channel.broadcast_bytes(header.encode(), f"version {header.version}: transfer header")
+        wire = self.wire
+        wire.broadcast_bytes(header.encode(), f"version {header.version}: transfer header")
         slots: list[list[tuple[dist.Work, torch.Tensor]]] = [[], []]  # in-flight broadcasts and what they read
         stats = SyncStats(header.version, 0, 0, 0, 0.0)
         try:
@@ -124,11 +124,11 @@ class BucketSender:
                 self._drain(slot, f"version {header.version}: bucket before abort")
             abort = BucketHeader(stats.buckets, last=True, abort=f"{type(error).__name__}: {error}")
             self._drain(self._launch(abort, [], []), f"version {header.version}: abort notice")
-            channel.agree_failed(True, f"version {header.version}: status")
+            wire.agree_failed(True, f"version {header.version}: status")
             raise
         for slot in slots:
             self._drain(slot, f"version {header.version}: last buckets")
-        if channel.agree_failed(False, f"version {header.version}: status"):
+        if wire.agree_failed(False, f"version {header.version}: status"):
             raise TransferError(f"a receiver failed to apply version {header.version} (see its own error)")
         stats.seconds = time.perf_counter() - started
         return stats
@@ -138,7 +138,7 @@ class BucketSender:
     ) -> list[tuple[dist.Work, torch.Tensor]]:
         """Pack the small tensors into a payload of exactly their size, then start the bucket's broadcasts
         (asynchronously, in order). Each in-flight bucket keeps what its broadcasts read alive."""
-        payload = torch.empty(bucket.payload_bytes, dtype=torch.uint8, device=self.channel.device)
+        payload = torch.empty(bucket.payload_bytes, dtype=torch.uint8, device=self.wire.device)
         for entry, part in zip(bucket.packed, packed, strict=True):
             payload[entry.offset : entry.offset + entry.length].copy_(part)
         if self.verify:
@@ -147,16 +147,16 @@ class BucketSender:
         control = bytearray(CONTROL_BYTES)
         control[:16] = len(raw).to_bytes(8, "little") + payload.numel().to_bytes(8, "little")
         control[16 : 16 + min(len(raw), INLINE_HEADER_BYTES)] = raw[:INLINE_HEADER_BYTES]
-        messages = [torch.frombuffer(control, dtype=torch.uint8).to(self.channel.device)]
+        messages = [torch.frombuffer(control, dtype=torch.uint8).to(self.wire.device)]
         if len(raw) > INLINE_HEADER_BYTES:
             overflow = bytearray(raw[INLINE_HEADER_BYTES:])
-            messages.append(torch.frombuffer(overflow, dtype=torch.uint8).to(self.channel.device))
+            messages.append(torch.frombuffer(overflow, dtype=torch.uint8).to(self.wire.device))
         messages += [*([payload] if payload.numel() else []), *direct]
-        return [(self.channel.broadcast(message), message) for message in messages]
+        return [(self.wire.broadcast(message), message) for message in messages]
 
     def _drain(self, slot: list[tuple[dist.Work, torch.Tensor]], what: str) -> None:
         for work, _ in slot:
-            self.channel.wait(work, what)
+            self.wire.wait(work, what)
         slot.clear()
 
 

@@ -9,7 +9,7 @@ from lorarl.weight_sync.group import backend_of
 from lorarl.weight_sync.protocol import TransferError
 
 
-class Channel:
+class Collectives:
     """Broadcasts from `src` and a final status all-reduce over `group` (default: the default process group)."""
 
     def __init__(self, group: dist.ProcessGroup | None, src: int, device: torch.device | str | None, timeout: float):

@@ -2,7 +2,8 @@
 
 Registered with vLLM's `WeightTransferEngineFactory` as "lorarl" by `lorarl.weight_sync.vllm.register` (a vLLM general
 plugin, so every vLLM process has it) and selected with `weight_transfer_config={"backend": "lorarl"}`. vLLM's RL API
-drives it: `init_weight_transfer_engine` joins the trainer's channel, `update_weights` receives one version,
+drives it: `init_weight_transfer_engine` opens its end of the trainer's channel (`weight_sync.channels`, by name),
+`update_weights` receives one version (an `Update` of the form the update info names),
 `start_weight_update` / `finish_weight_update` frame it.
 
 **A version is applied whole or not at all.** `update_weights` first receives the complete version — every bucket's
@@ -14,7 +15,7 @@ weights for the length of an update. A failure while applying a complete version
 have, which is a configuration error, not a transient one — leaves the model *incomplete*: the error says so
 (`INCOMPLETE`), and lorarl's drivers refuse to generate until a later version is applied whole.
 
-A factor set (`kind="factors"`, `weight_sync.factors`: named tensors, over any channel) is staged the same way,
+A factor set (form "factors", `weight_sync.factors`: named tensors, over any channel) is staged the same way,
 checked against the base weights the workers keep (the first set brings them: the adapted weights and their siblings,
 which vLLM fuses with them), merged with lorarl's kernel and loaded through the same layerwise reload: only the layers
 it names are reloaded.
@@ -35,23 +36,17 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from lorarl.weight_sync.adapter_dir import save_adapter
+from lorarl.weight_sync.channels import CHANNELS, Channel, Link, open_channel
 from lorarl.weight_sync.factors import FactorMerger, read_factor_set
 from lorarl.weight_sync.gc_pause import gc_paused
-from lorarl.weight_sync.group import create_sync_group
-from lorarl.weight_sync.protocol import TransferError
-from lorarl.weight_sync.receiver import BucketReceiver
-from lorarl.weight_sync.shared import BucketMailbox
-from lorarl.weight_sync.vllm import CHANNELS, INCOMPLETE, adapter_path, take_handoff
-
-WIRE_CHANNELS = ("gloo", "nccl")
-KINDS = ("weights", "factors", "adapter")
+from lorarl.weight_sync.update import FORMS, Update
+from lorarl.weight_sync.vllm import INCOMPLETE, adapter_path
 
 
 @dataclass
 class LorarlInitInfo(WeightTransferInitInfo):
-    """How the workers reach the trainer: `channel` "gloo" (CPU tensors) or "nccl" (GPU) — a sync group whose rank 0
-    is the trainer and whose ranks `rank_offset`.. are the workers —, "ipc" (a `BucketMailbox` of CUDA IPC handles on
-    the same GPUs), or "local" (the trainer's own process: tensors handed over, no wire)."""
+    """How the workers reach the trainer: `channel` names a mechanism of `weight_sync.channels` (gloo, nccl, ipc,
+    local) whose sender, rank 0, is the trainer and whose receivers, ranks `rank_offset`.., are the workers."""
 
     channel: str
     host: str = "127.0.0.1"
@@ -63,26 +58,24 @@ class LorarlInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self):
         if self.channel not in CHANNELS:
-            raise ValueError(f"channel must be one of {CHANNELS}, got {self.channel!r}")
+            raise ValueError(f"channel must be one of {tuple(CHANNELS)}, got {self.channel!r}")
         if self.staging not in ("cpu", "device"):
             raise ValueError(f"staging must be 'cpu' or 'device', got {self.staging!r}")
 
 
 @dataclass
 class LorarlUpdateInfo(WeightTransferUpdateInfo):
-    """One version: `kind` "weights" (full weights, applied to the model), "factors" (a factor set, merged into
-    them) or "adapter" (a LoRA adapter, written as a peft directory under `adapter_dir` for a `LoRARequest`);
-    `handoff` names the tensors of a "local" channel."""
+    """One version and its form (`weight_sync.update`): "weights" (applied to the model), "factors" (merged into
+    it) or "adapter" (written as a peft directory under `adapter_dir`, for a `LoRARequest`)."""
 
     version: int
-    kind: str = "weights"
+    form: str = "weights"
     adapter_dir: str | None = None
-    handoff: int | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "adapter" and not self.adapter_dir:
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
+        if self.form == "adapter" and not self.adapter_dir:
             raise ValueError("an adapter update needs adapter_dir (where the workers write it)")
 
 
@@ -94,8 +87,7 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.info: LorarlInitInfo | None = None
-        self.receiver: BucketReceiver | None = None
-        self.mailbox: BucketMailbox | None = None
+        self.channel: Channel | None = None
         self.factors = FactorMerger(self.model_config.dtype)  # the factor sync's pristine base weights
 
     # --- vLLM's RL API ---------------------------------------------------------------------------------------------
@@ -103,15 +95,8 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
     def init_transfer_engine(self, init_info: LorarlInitInfo) -> None:
         self.shutdown()
         self.info = init_info
-        rank = init_info.rank_offset + worker_rank()
-        if init_info.channel in WIRE_CHANNELS:
-            group = create_sync_group(init_info.host, init_info.port, init_info.world_size, rank,
-                                      backend=init_info.channel, timeout=init_info.timeout)  # fmt: skip
-            device = self.device if init_info.channel == "nccl" else torch.device("cpu")
-            self.receiver = BucketReceiver(group, device=device, timeout=init_info.timeout)
-        elif init_info.channel == "ipc":
-            self.mailbox = BucketMailbox(init_info.host, init_info.port, rank=rank,
-                                         consumers=init_info.world_size - 1, timeout=init_info.timeout)  # fmt: skip
+        link = Link(init_info.host, init_info.port, init_info.world_size - 1, init_info.timeout)
+        self.channel = open_channel(init_info.channel, link, init_info.rank_offset + worker_rank(), device=self.device)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: `update_weights` receives a whole version before it touches the model."""
@@ -127,41 +112,33 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: LorarlUpdateInfo) -> None:
-        if self.info is None:
+        if self.channel is None:
             raise RuntimeError("the lorarl weight transfer is not initialized: call init_weight_transfer_engine first")
-        if update_info.kind == "adapter":
-            self._receive_adapter(update_info)
+        update = self.channel.receive(update_info.form, update_info.version)
+        if update.form == "adapter":
+            if worker_rank() == 0:
+                save_adapter(update.tensors, update.config, adapter_path(update_info.adapter_dir, update.version))
             return
-        staged = self._stage(update_info)
-        if update_info.kind == "factors":
-            self._merge_factors(staged, update_info.version)
+        staged = self._stage(update)
+        if update.form == "factors":
+            self._merge_factors(staged, update.version)
         else:
-            self._apply(staged, update_info.version)
+            self._apply(staged, update.version)
 
     def shutdown(self) -> None:
-        """Leave the trainer's channel (its group goes with the receiver)."""
-        self.receiver = self.mailbox = self.info = None
+        """Leave the trainer's channel."""
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = self.info = None
 
     # --- lorarl's side ----------------------------------------------------------------------------------------------
 
     @gc_paused()
-    def _stage(self, update_info: LorarlUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+    def _stage(self, update: Update) -> list[tuple[str, torch.Tensor]]:
         """The whole version, received and verified, in tensors of its own; raises (changing nothing) if any of it
         is missing, corrupt or of another version."""
         staging = torch.device("cpu") if self.info.staging == "cpu" else self.device
-        version = update_info.version
-        if self.info.channel == "local":
-            named, _ = take_handoff(update_info.handoff, version)
-            return [(name, _staged(tensor, staging)) for name, tensor in named]
-        if self.info.channel == "ipc":
-            staged = [(name, _staged(tensor, staging)) for name, tensor in self.mailbox.receive(self.device)]
-            received = self.mailbox.version
-        else:
-            staged = [(name, _staged(tensor, staging)) for name, tensor in self.receiver.receive(keep=True)]
-            received = self.receiver.version
-        if received != version:
-            raise TransferError(f"the trainer announced version {version} but sent version {received}")
-        return staged
+        return [(name, _staged(tensor, staging)) for name, tensor in update.named()]
 
     def _apply(self, staged, version: int) -> None:
         """Load a complete version (named tensors) through vLLM's layerwise reload (each layer processed as its
@@ -177,27 +154,11 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
 
-    def _receive_adapter(self, update_info: LorarlUpdateInfo) -> None:
-        """A LoRA adapter, written as a peft directory by the engine's first worker (every worker takes part in the
-        transfer). The base weights are untouched."""
-        version = update_info.version
-        if self.info.channel == "local":
-            tensors, config = take_handoff(update_info.handoff, version)
-            tensors = dict(tensors)
-        elif self.info.channel in WIRE_CHANNELS:
-            tensors, config, received = self.receiver.receive_adapter()
-            if received != version:
-                raise TransferError(f"the trainer announced adapter version {version} but sent version {received}")
-        else:
-            raise ValueError(f"adapters are not sent over the {self.info.channel!r} channel: use 'local' or a wire")
-        if worker_rank() == 0:
-            save_adapter(tensors, config, adapter_path(update_info.adapter_dir, version))
-
     def _merge_factors(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
         """A staged factor set, checked whole against the base weights kept (changing nothing if it does not fit),
         merged and loaded. Layers it does not name keep their weights: vLLM's reload puts them back, quietly."""
         factors, base = read_factor_set(dict(staged))
-        self.factors.store(base, share=self.info.channel == "local")  # in the trainer's process: its own tensors
+        self.factors.store(base, share=self.channel.shares)  # in the trainer's process: its own tensors
         merging = self.factors.merged(factors)  # checked here, before the model is touched; merged as it loads
         with _quiet("vllm.model_executor.model_loader.reload.layerwise"):  # "Failed to load weights" for each layer
             self._apply(merging, version)

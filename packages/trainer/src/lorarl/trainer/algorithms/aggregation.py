@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorarl.trainer.schema import AGG_MODES
-
 if TYPE_CHECKING:
     from torch import Tensor
+
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def check_shapes(reference: str, **tensors: Tensor | None) -> None:

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 
 from lorarl.trainer.algorithms.aggregation import check_shapes
 from lorarl.trainer.lazy import torch
-from lorarl.trainer.schema import IS_LEVELS
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+IS_LEVELS = ("token", "sequence", "token_mask", "sequence_reject")
+CORRECTIONS = ("none", *IS_LEVELS)  # algorithm.rollout_correction's values
 
 
 def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, level: str, cap: float,

@@ -3,7 +3,7 @@
 A *worker* is an engine implementation, registered by name with its own settings (`rollout.<name>.*`) — the choices
 of `rollout.engine`:
 - `hf` (`hf.py`): a Hugging Face model with lorarl's decode loop, CPU or GPU;
-- `vllm` (`vllm_worker.py`): vLLM, on GPUs or (its CPU build) the CPU; inline in `vllm_inline.py`;
+- `vllm` (`vllm_worker.py`): vLLM, on GPUs or (its CPU build) the CPU;
 - a plugin's: `rollout.engine=package.module:Name` or `path/to/file.py:Name`, a `Worker` subclass decorated with
   `@register_engine("name", settings=...)`.
 
@@ -13,6 +13,7 @@ of its own, `rollout.worker=process`, or a vLLM engine on `rollout.vllm.devices`
 the config to an engine. The contract is `base.py`.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,9 +82,10 @@ def start_engine(
     """The engine the `rollout` config section describes, started, with the capabilities the config asks for."""
     engine = ENGINES[rollout.engine]
     worker = engine.worker
-    settings = worker.settings(engine.settings_in(rollout), context)
-    bucket_bytes = rollout.bucket_mb << 20
     where = placement(rollout, backend)
+    bucket_bytes = rollout.bucket_mb << 20
+    context = dataclasses.replace(context, inline=where == "inline", bucket_bytes=bucket_bytes)
+    settings = worker.settings(engine.settings_in(rollout), context)
     if where == "ray":
         from lorarl.trainer.engines.ray_actors import RayEngines
 
@@ -94,7 +96,9 @@ def start_engine(
 
         started = ProcessEngine(worker, settings, bucket_bytes=bucket_bytes)
     else:
-        started = worker.inline(settings, bucket_bytes=bucket_bytes)
+        from lorarl.trainer.engines.inline import InlineEngine
+
+        started = InlineEngine(worker(settings))
     if rollout.overlap and not started.capabilities.background:
         started.close()
         raise EngineError(f"rollout.overlap needs an engine that generates in the background; {rollout.engine} "

@@ -9,9 +9,9 @@ weight version produced it, so the trainer never trains on rollouts of stale wei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.registry import Plugin, Registry, import_object
@@ -19,7 +19,7 @@ from lorarl.trainer.registry import Plugin, Registry, import_object
 if TYPE_CHECKING:  # (the configuration reads this module: no torch at import)
     import torch
 
-    from lorarl.weight_sync import SyncStats, TensorSpec
+    from lorarl.weight_sync import SyncStats, Update
 
 
 @dataclass(frozen=True)
@@ -78,19 +78,9 @@ class RolloutEngine(Protocol):
         with `capabilities.background` it generates while the caller goes on."""
         ...
 
-    def sync_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
-    ) -> SyncStats:
-        """Full (merged) weights, as version `version`."""
-        ...
-
-    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        """A LoRA adapter (peft tensors and config), served unmerged on the weights the engine holds."""
-        ...
-
-    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
-        """A factor set (`weight_sync.factors`): the engine merges the LoRA factors into its serving weights from
-        the pristine base weights it keeps (which the first set carries)."""
+    def sync(self, update: Update) -> SyncStats:
+        """Install `update` (`weight_sync.Update`: full weights, a factor set or an adapter; its form is all the engine
+        reads) as version `update.version`, whole, or fail leaving the previous version serving."""
         ...
 
     def sleep(self) -> None:
@@ -130,7 +120,8 @@ class EngineError(TrainerError):
 
 @dataclass(frozen=True)
 class EngineContext:
-    """What the trainer knows that an engine needs to start: its model, dtype, device, tokens and the sync mode."""
+    """What the trainer knows that an engine needs to start: its model, dtype, device, tokens, and the forms of the
+    updates the run may send (an engine that serves adapters unmerged prepares for them: vLLM's LoRA support)."""
 
     model_path: str
     dtype: torch.dtype
@@ -138,8 +129,11 @@ class EngineContext:
     eos_token_id: int
     pad_token_id: int
     seed: int
-    adapter_rank: int | None  # serve a LoRA adapter of this rank unmerged (rollout.sync=adapter or auto), else None
+    forms: tuple[str, ...]  # the forms (`weight_sync.FORMS`) of the updates this run may send
+    lora_rank: int  # the rank of the adapter an "adapter" update carries (0: full fine-tuning)
     overlap: bool  # rollout.overlap: the engine generates beside the training
+    inline: bool = False  # the engine shares the trainer's process (`rollout.worker=inline`)
+    bucket_bytes: int = 256 << 20  # rollout.bucket_mb: the size of the buckets weights travel in
     sequences: int = 1  # sequences a step's rollouts generate at once (prompts × responses)
     sequence_tokens: int = 2048  # the longest of them: prompt and response, in tokens
 
@@ -170,14 +164,13 @@ class WorkerSettings:
 
 class Worker:
     """An engine implementation, built from its settings (`settings()`), driven by a placement:
-    - inline, in the trainer's process: `generate`, `load_weights`, `serve_adapter`, `serve_factors` (no wire);
-    - in a process or Ray actor of its own: `generate`, and over a sync group `join`, then `receive`,
-      `receive_adapter` or `receive_factors` for each version (each returns the version it now serves).
-    A method an engine lacks raises, naming the sync mode it cannot serve. Registered by name with
-    `@register_engine("name", settings=...)`: the name becomes a choice of `rollout.engine`, its settings
-    `rollout.<name>.*`."""
+    - inline, in the trainer's process (`inline.InlineEngine`): `generate`, and `apply` for each update (no wire);
+    - in a process or Ray actor of its own: `generate`, and over a channel (`weight_sync.channels`, a sync group)
+      `join`, then `receive` for each update (returning the version it now serves).
+    A method an engine lacks raises. Registered by name with `@register_engine("name", settings=...)`: the name
+    becomes a choice of `rollout.engine`, its settings `rollout.<name>.*`."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    capabilities: Capabilities = Capabilities()  # a class's, or (where settings decide) an instance's
     version: int
 
     @classmethod
@@ -192,37 +185,25 @@ class Worker:
         own)."""
         return False
 
-    @classmethod
-    def inline(cls, settings: Any, *, bucket_bytes: int) -> RolloutEngine:
-        """The engine in the trainer's process (`rollout.worker=inline`)."""
-        from lorarl.trainer.engines.inline import InlineEngine
-
-        return InlineEngine(cls(settings))
-
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         raise NotImplementedError
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                     manifest: Sequence[TensorSpec | tuple]) -> SyncStats:  # fmt: skip
-        raise EngineError(f"{type(self).__name__} cannot load merged weights in the trainer's process")
-
-    def serve_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> int:
-        raise EngineError(f"{type(self).__name__} cannot serve an adapter (rollout.sync=adapter)")
-
-    def serve_factors(self, tensors: dict[str, torch.Tensor], version: int, share: bool = False) -> int:
-        raise EngineError(f"{type(self).__name__} cannot merge LoRA factors (rollout.sync=factors)")
+    def apply(self, update: Update, *, shared: bool = False) -> SyncStats:
+        """Install `update` in the trainer's process (`shared`: its tensors are the trainer's own, which it changes
+        after: copy what is kept of an adapter; a factor set's base weights may be held as they are)."""
+        raise EngineError(f"{type(self).__name__} cannot take weights in the trainer's process")
 
     def join(self, host: str, port: int, world_size: int, rank: int) -> int:
+        """Open this worker's end (`rank`) of the trainer's channel; return the version it serves."""
         raise EngineError(f"{type(self).__name__} cannot run in a process of its own (rollout.worker=process)")
 
-    def receive(self, version: int) -> int:
-        raise EngineError(f"{type(self).__name__} cannot receive merged weights over a sync group")
+    def receive(self, form: str, version: int) -> int:
+        """Receive the update the trainer sends as `version` in `form` and install it; return the version served."""
+        raise EngineError(f"{type(self).__name__} cannot receive weights over a channel")
 
-    def receive_adapter(self, version: int) -> int:
-        raise EngineError(f"{type(self).__name__} cannot receive an adapter (rollout.sync=adapter)")
-
-    def receive_factors(self, version: int) -> int:
-        raise EngineError(f"{type(self).__name__} cannot receive LoRA factors (rollout.sync=factors)")
+    def sleep(self) -> None:
+        """With `capabilities.sleep` (inline): free the device while the trainer trains; the next update or
+        generation wakes it."""
 
     def checksum(self) -> str:
         raise EngineError(f"{type(self).__name__} has no weights checksum comparable to the trainer's")

@@ -1,12 +1,14 @@
 """`rollout.engine=hf`: a Hugging Face causal LM generating with lorarl's decode loop (`decode.py`), on CPU or GPU.
 
-Merged weights arrive copied in (inline) or over gloo (a process or Ray actor of its own); an adapter
-(`rollout.sync=adapter`) is served unmerged by peft on the weights the worker holds; a factor set
-(`rollout.sync=factors`) is merged straight into the model's weights from the pristine base the worker keeps.
+Updates arrive as they are (inline) or over a gloo channel (a process or Ray actor of its own); the worker reads their
+form: full weights are copied into the model (over a channel, landing straight in its parameters); an adapter is
+served unmerged by peft on the weights the worker holds; a factor set is merged straight into the model's weights from
+the pristine base the worker keeps.
 """
 
 import hashlib
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +18,8 @@ import torch
 from lorarl.trainer import cpu_attention
 from lorarl.trainer.decode import decode
 from lorarl.trainer.engines import HFEngineSettings
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, SamplingParams, Worker
-from lorarl.weight_sync import BucketReceiver, SyncStats, TensorSpec, copy_into, create_sync_group, save_adapter
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, SamplingParams, Worker
+from lorarl.weight_sync import Channel, Link, SyncStats, Update, copy_into, open_channel, save_adapter
 from lorarl.weight_sync.factors import FactorMerger, read_factor_set
 
 
@@ -58,7 +60,7 @@ class HFWorker(Worker):
         self.model = model.to(settings.device).eval()
         cpu_attention.use_on_cpu(self.model, torch.device(settings.device))
         self.version = 0  # the weights from disk
-        self.receiver: BucketReceiver | None = None
+        self.channel: Channel | None = None
         self.adapter = None  # a peft model around self.model while an adapter is served unmerged
         self.factors = FactorMerger(settings.dtype)  # the pristine base weights of the factor sync
 
@@ -66,18 +68,26 @@ class HFWorker(Worker):
         model = self.adapter if self.adapter is not None else self.model
         return generate_with_hf(model, self.settings, self.version, prompts, sampling)
 
-    # --- in the trainer's process ---------------------------------------------------------------------------------
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                     manifest: Sequence[TensorSpec | tuple]) -> SyncStats:  # fmt: skip
-        """Merged weights copied into the plain model, with the receiver's checks (an adapter served is dropped)."""
-        self.drop_adapter()
-        stats = copy_into(self.model, named_tensors, version=version, manifest=manifest)
-        self.version = version
+    def apply(self, update: Update, *, shared: bool = False) -> SyncStats:
+        """Install `update`, by its form (`shared`: its tensors are the trainer's own)."""
+        started = time.perf_counter()
+        if update.form == "weights":
+            self.drop_adapter()
+            stats = copy_into(self.model, update.named(), version=update.version, manifest=update.specs)
+        else:
+            tensors = update.tensors
+            if update.form == "adapter":
+                owned = {n: t.detach().clone() for n, t in tensors.items()} if shared else tensors  # it trains on
+                self.serve_adapter(owned, update.config)
+            else:
+                self.merge_factors(tensors, share=shared)
+            stats = SyncStats(update.version, len(tensors), sum(t.nbytes for t in tensors.values()), 0, 0.0)
+        self.version = update.version
+        stats.seconds = time.perf_counter() - started
         return stats
 
-    def serve_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> int:
-        """A LoRA adapter, served unmerged by peft on the weights this worker holds (`rollout.sync=adapter`)."""
+    def serve_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """A LoRA adapter, served unmerged by peft on the weights this worker holds."""
         from peft import PeftModel, set_peft_model_state_dict
 
         if self.adapter is None:
@@ -86,10 +96,8 @@ class HFWorker(Worker):
                 self.adapter = PeftModel.from_pretrained(self.model, directory).eval()
         else:
             set_peft_model_state_dict(self.adapter, tensors)
-        self.version = version
-        return version
 
-    def serve_factors(self, tensors: dict[str, torch.Tensor], version: int, share: bool = False) -> int:
+    def merge_factors(self, tensors: dict[str, torch.Tensor], *, share: bool) -> None:
         """A factor set merged into the model's own weights from the pristine base weights (those the set adapts,
         kept from the first set; `share`: the trainer's own tensors, in its process). Checked whole first: a set
         that does not fit changes nothing."""
@@ -107,43 +115,28 @@ class HFWorker(Worker):
         with torch.no_grad():
             for _ in merging:
                 pass
-        self.version = version
-        return version
 
     def drop_adapter(self) -> None:
         if self.adapter is not None:
             self.model, self.adapter = self.adapter.unload(), None  # the LoRA layers out, the base as it was
 
-    # --- over a sync group (a process or actor of its own) --------------------------------------------------------
+    # --- over a channel (a process or actor of its own) -----------------------------------------------------------
 
     def join(self, host: str, port: int, world_size: int, rank: int) -> int:
-        timeout = self.settings.timeout
-        group = create_sync_group(host, port, world_size, rank, timeout=timeout)
-        self.receiver = BucketReceiver(group, timeout=timeout)
+        link = Link(host, port, world_size - 1, self.settings.timeout)
+        self.channel = open_channel(self.settings.sync_backend, link, rank)
         return self.version
 
-    def receive(self, version: int) -> int:
-        self.drop_adapter()
-        self.version = expected(self.receiver.load_into(self.model), version)
+    def receive(self, form: str, version: int) -> int:
+        if form == "weights":  # landing straight in the model's parameters
+            self.drop_adapter()
+            self.version = self.channel.load_into(self.model, version)
+        else:
+            self.apply(self.channel.receive(form, version))
         return self.version
-
-    def receive_adapter(self, version: int) -> int:
-        tensors, config, received = self.receiver.receive_adapter()
-        return self.serve_adapter(tensors, config, expected(received, version))
-
-    def receive_factors(self, version: int) -> int:
-        tensors = dict(self.receiver.receive(keep=True))  # the whole set, checked, before any of it is merged
-        return self.serve_factors(tensors, expected(self.receiver.version, version))
 
     def checksum(self) -> str:
         return checksum(self.model.state_dict().items())
-
-
-def expected(received: int, version: int) -> int:
-    """`received`, which must be the version the trainer announced."""
-    if received != version:
-        raise EngineError(f"the trainer announced version {version} but sent version {received}")
-    return received
 
 
 def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -3,31 +3,34 @@ model, fed weights over a sync group (gloo from the CPU, NCCL from the GPU) and 
 beside the trainer (`submit` returns at once), which `rollout.overlap` uses."""
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
-import signal
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 
 import torch
 
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SamplingParams, SubmitsInBackground
+from lorarl.trainer.interrupt import ignore_stop_signals
 from lorarl.trainer.registry import Portable
-from lorarl.weight_sync import BucketSender, SyncStats, TensorSpec, TransferError, create_sync_group, free_port
+from lorarl.weight_sync import Channel, Link, SyncStats, TransferError, Update, free_port, open_channel
 from lorarl.weight_sync.factors import narrowed_base
 
 
-def join_sync_group(host: str, port: int, world: int, settings, failed: Callable[[], str | None]):
-    """The trainer's end (rank 0) of the sync group its engine joins as it starts. `failed()` says why the engine
-    side cannot join (or None): checked while waiting, so a worker that fails to start raises at once instead of
-    leaving this side waiting out the group's timeout (the abandoned rendezvous ends at it, in a daemon thread)."""
+def open_sender(host: str, port: int, world: int, settings, bucket_bytes: int, failed: Callable[[], str | None]):
+    """The trainer's end (rank 0) of the channel its engine joins as it starts: a sync group (NCCL sends from the
+    GPU, gloo from the CPU; every bucket checksummed). `failed()` says why the engine side cannot join (or None):
+    checked while waiting, so a worker that fails to start raises at once instead of leaving this side waiting out
+    the group's timeout (the abandoned rendezvous ends at it, in a daemon thread)."""
     outcome: list = []
+    nccl = settings.sync_backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    link = Link(host, port, world - 1, settings.timeout)
 
     def join() -> None:
         try:
-            outcome.append(create_sync_group(host, port, world, 0, backend=settings.sync_backend,
-                                             timeout=settings.timeout))  # fmt: skip
+            outcome.append(open_channel(settings.sync_backend, link, 0, device=device, bucket_bytes=bucket_bytes))
         except Exception as error:
             outcome.append(error)
 
@@ -43,39 +46,23 @@ def join_sync_group(host: str, port: int, world: int, settings, failed: Callable
     return outcome[0]
 
 
-def sync_sender(group, settings, bucket_bytes: int) -> BucketSender:
-    """The trainer's end of a sync group: NCCL sends from the GPU, gloo from the CPU; every bucket checksummed."""
-    nccl = settings.sync_backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    return BucketSender(group, bucket_bytes=bucket_bytes, device=device, timeout=settings.timeout, verify=True)
+class FedOverChannel:
+    """The syncs of an engine fed over a channel (`channel`, the trainer's end): each one the workers' `receive` —
+    their end of the transfer — while this side sends (`_sync`, the placement's own)."""
 
-
-class FedOverGroup:
-    """The syncs of an engine fed over a sync group (`sender`, from the trainer's end): each one the workers'
-    `command` — their end of the transfer — while this side sends (`_sync`, the placement's own)."""
-
-    sender: BucketSender
+    channel: Channel
     dtype: torch.dtype  # the engine's: a factor set's base weights cross narrowed to it where exact
 
-    def sync_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, manifest: Sequence[TensorSpec | tuple]
-    ) -> SyncStats:
-        return self._sync("receive", version, partial(self.sender.send, named_tensors, version=version,
-                                                      manifest=manifest))  # fmt: skip
+    def sync(self, update: Update) -> SyncStats:
+        if update.form == "factors":
+            update = dataclasses.replace(update, tensors=narrowed_base(update.tensors, self.dtype))
+        return self._sync(update.form, update.version, lambda: self.channel.send(update))
 
-    def sync_adapter(self, tensors: dict[str, torch.Tensor], config: dict, *, version: int) -> SyncStats:
-        return self._sync("receive_adapter", version, partial(self.sender.send_adapter, tensors, config,
-                                                              version=version))  # fmt: skip
-
-    def sync_factors(self, tensors: dict[str, torch.Tensor], *, version: int) -> SyncStats:
-        tensors = narrowed_base(tensors, self.dtype)
-        return self._sync("receive_factors", version, partial(self.sender.send, tensors, version=version))
-
-    def _sync(self, command: str, version: int, send: Callable[[], SyncStats]) -> SyncStats:
+    def _sync(self, form: str, version: int, send: Callable[[], SyncStats]) -> SyncStats:
         raise NotImplementedError
 
 
-class ProcessEngine(SubmitsInBackground, FedOverGroup):
+class ProcessEngine(SubmitsInBackground, FedOverChannel):
     """A worker in a process of its own (spawned: the worker's class and settings reach it as `Portable`, so a
     plugin engine from a file loads there as it did here)."""
 
@@ -90,8 +77,8 @@ class ProcessEngine(SubmitsInBackground, FedOverGroup):
         self.process.start()
         self.timeout, self.dtype = settings.timeout, settings.dtype
         self._early: tuple | None = None  # the worker's first answer, if it came while this side joined
-        group = join_sync_group("127.0.0.1", port, 1 + settings.sync_ranks, settings, self._failed_to_start)
-        self.sender = sync_sender(group, settings, bucket_bytes)
+        self.channel = open_sender("127.0.0.1", port, 1 + settings.sync_ranks, settings, bucket_bytes,
+                                   self._failed_to_start)  # fmt: skip
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = self._reply("start")
 
@@ -99,16 +86,16 @@ class ProcessEngine(SubmitsInBackground, FedOverGroup):
         self._conn.send(("generate", ([list(p) for p in prompts], sampling)))
         return lambda: self._reply("generate")
 
-    def _sync(self, command: str, version: int, send) -> SyncStats:
-        """The worker starts `command` (its end of the transfer of `version`), this side sends; then the worker's
+    def _sync(self, form: str, version: int, send) -> SyncStats:
+        """The worker starts receiving (its end of the transfer of `version`), this side sends; then the worker's
         version. If sending fails, the worker's own error (it failed first, or with it) is the one raised."""
-        self._conn.send((command, (version,)))
+        self._conn.send(("receive", (form, version)))
         try:
             stats = send()
         except TransferError as error:
-            self._reply(command)  # raises the worker's error, if it has one
+            self._reply(f"receive {form}")  # raises the worker's error, if it has one
             raise error
-        self.version = self._reply(command)
+        self.version = self._reply(f"receive {form}")
         return stats
 
     def checksum(self) -> str:
@@ -156,13 +143,6 @@ class ProcessEngine(SubmitsInBackground, FedOverGroup):
         return value
 
 
-def ignore_stop_signals() -> None:
-    """In a helper process (engine, reward scorer): SIGINT and SIGTERM sent to the whole process group are left to
-    the trainer, which finishes its step, checkpoints, and then ends its helpers."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-
-
 def _serve(conn, portable: Portable, port: int) -> None:
     """The engine process: build the worker, join the sync group, then answer commands until "close" (or until the
     trainer is gone). A signal to the process group is the trainer's to handle: it closes the engine when it stops."""
@@ -174,8 +154,7 @@ def _serve(conn, portable: Portable, port: int) -> None:
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
-    commands = {"generate": worker.generate, "receive": worker.receive, "receive_adapter": worker.receive_adapter,
-                "receive_factors": worker.receive_factors, "checksum": worker.checksum}  # fmt: skip
+    commands = {"generate": worker.generate, "receive": worker.receive, "checksum": worker.checksum}
     while True:
         try:
             command, args = conn.recv()

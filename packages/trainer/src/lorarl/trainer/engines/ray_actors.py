@@ -15,7 +15,7 @@ from lorarl.trainer.engines.base import (
     SubmitsInBackground,
     agreed,
 )
-from lorarl.trainer.engines.process import FedOverGroup, join_sync_group, sync_sender
+from lorarl.trainer.engines.process import FedOverChannel, open_sender
 from lorarl.trainer.registry import plugin_modules
 from lorarl.weight_sync import SyncStats, free_port
 
@@ -38,7 +38,7 @@ def connect(address: str | None, *, cpus: int) -> bool:
     return True
 
 
-class RayEngines(SubmitsInBackground, FedOverGroup):
+class RayEngines(SubmitsInBackground, FedOverChannel):
     """The `RolloutEngine` interface over several worker actors."""
 
     def __init__(self, worker_class: type, settings, *, replicas: int, bucket_bytes: int, address: str | None = None):
@@ -64,11 +64,10 @@ class RayEngines(SubmitsInBackground, FedOverGroup):
         host, port = ray.util.get_node_ip_address(), free_port()
         joined = [actor.join.remote(host, port, world, 1 + i * ranks) for i, actor in enumerate(self.actors)]
         try:
-            group = join_sync_group(host, port, world, settings, lambda: self._failed(joined))
+            self.channel = open_sender(host, port, world, settings, bucket_bytes, lambda: self._failed(joined))
         except BaseException:
             self.close()  # the actors, their placement and a Ray started here go too
             raise
-        self.sender = sync_sender(group, settings, bucket_bytes)
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = agreed(self._get(joined, "start"), "weights version")
 
@@ -88,11 +87,11 @@ class RayEngines(SubmitsInBackground, FedOverGroup):
 
         return wait
 
-    def _sync(self, command: str, version: int, send) -> SyncStats:
-        """Every replica's `command` (its end of the transfer of `version`) while this side sends."""
-        received = [getattr(actor, command).remote(version) for actor in self.actors]
+    def _sync(self, form: str, version: int, send) -> SyncStats:
+        """Every replica receives (its end of the transfer of `version`) while this side sends."""
+        received = [actor.receive.remote(form, version) for actor in self.actors]
         stats = send()
-        self.version = agreed(self._get(received, command), f"version after {command}")
+        self.version = agreed(self._get(received, f"receive {form}"), f"version after receiving {form}")
         return stats
 
     def _failed(self, joined: list) -> str | None:

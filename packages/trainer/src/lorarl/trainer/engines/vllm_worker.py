@@ -9,18 +9,24 @@ records for each response. A version is applied whole or not at all: after a tra
 keeps serving; after one that failed while it was being applied (`INCOMPLETE`) the engine refuses to generate until a
 later version is applied whole.
 
-`rollout.sync=merged` streams merged weights into the engine; `rollout.sync=adapter` sends only the LoRA tensors,
-which the engine serves unmerged as a `LoRARequest` of its own per version (`enable_lora`; its base weights are the
-ones it loaded from `model.path`); `rollout.sync=factors` sends only the LoRA factors, which lorarl's transfer engine
-merges into vLLM's weights from the base weights it keeps (`weight_sync.factors`). Placements: inline
-(`vllm_inline.InlineVllmEngine`: vLLM in the trainer's process, weights handed over without a wire), a process or
-Ray actor of its own (`VllmWorker`, over gloo on CPU and NCCL on GPUs). vLLM is imported only when an engine starts.
+Updates reach vLLM through its weight-update API and lorarl's transfer engine, whatever their form: full weights
+(merged or the base), a factor set (merged into vLLM's weights from the base weights the transfer engine keeps), or an
+adapter, served unmerged as a `LoRARequest` of its own per version (`enable_lora`, when the run may send adapters; its
+base weights are the ones the engine loaded from `model.path`). Placements: inline (vLLM in the trainer's process, on
+its device, fed without a wire: the in-process channel at tensor-parallel size 1, CUDA IPC buckets to its worker
+processes beyond), or a process or Ray actor of its own (a gloo channel on the CPU, NCCL on GPUs). Inline on GPUs the
+engine sleeps while the trainer trains (`sleep()`, called after the rollouts): level 2 — weights and KV cache freed —
+when every update of the run is full weights, since each replaces every weight; level 1 — weights to host memory —
+when factors or adapters may come, whose base (the layers a factor set leaves alone) must survive. An update wakes
+it. vLLM's CPU build has no sleep mode. vLLM is imported only when an engine starts.
 """
 
+import dataclasses
 import itertools
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +35,16 @@ from typing import TypeVar
 import torch
 
 from lorarl.trainer.engines import VllmEngineSettings
-from lorarl.trainer.engines.base import (
-    Capabilities,
-    Completion,
-    EngineContext,
-    EngineError,
-    RolloutEngine,
-    SamplingParams,
-    Worker,
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, SamplingParams, Worker
+from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, Update
+from lorarl.weight_sync.vllm import (
+    BACKEND,
+    INCOMPLETE,
+    OfflineClient,
+    VllmWeightTransfer,
+    adapter_path,
+    update_round,
 )
-from lorarl.weight_sync.vllm import BACKEND, INCOMPLETE, OfflineClient, adapter_path, update_round
 
 T = TypeVar("T")
 
@@ -51,12 +57,15 @@ class VllmSettings:
     gpu_memory_utilization: float
     max_model_len: int | None
     seed: int
-    adapter_rank: int | None  # serve a LoRA adapter of this rank unmerged (rollout.sync=adapter)
+    max_lora_rank: int | None  # serves LoRA adapters up to this rank unmerged (the run may send them), else None
     devices: str | None  # CUDA_VISIBLE_DEVICES of the engine's process (not the trainer's GPUs)
     timeout: float = 600.0
     device: str = "cuda"  # "cuda" or "cpu" (vLLM's CPU build)
     kv_cache_gb: float = 2.0  # the KV cache of an engine on the CPU (on GPUs gpu_memory_utilization decides)
     enforce_eager: bool | None = None  # None: eager on the CPU (compiling takes minutes there), graphs on GPUs
+    inline: bool = False  # in the trainer's process (sleeping while it trains, on GPUs)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # inline, tensor-parallel: the CUDA IPC buckets' size
+    keeps_weights_asleep: bool = True  # sleep level 1 (weights kept in host memory), not 2 (freed)
 
     @property
     def on_gpu(self) -> bool:
@@ -92,8 +101,10 @@ def engine_args(settings: VllmSettings) -> dict:
         args["distributed_executor_backend"] = "uni"  # its one worker in the engine's own process
     if settings.max_model_len is not None:
         args["max_model_len"] = settings.max_model_len
-    if settings.adapter_rank is not None:
-        args.update(enable_lora=True, max_lora_rank=settings.adapter_rank, max_loras=1)
+    if settings.max_lora_rank is not None:
+        args.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=1)
+    if settings.inline and settings.on_gpu:
+        args["enable_sleep_mode"] = True
     return args
 
 
@@ -201,9 +212,9 @@ class VllmServing:
             if str(old) != directory:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def update_round(self, version: int, kind: str = "weights") -> None:
+    def update_round(self, version: int, form: str) -> None:
         """One round of vLLM's weight-update API whose sender is another process (the trainer)."""
-        update = {"version": version, "kind": kind, "adapter_dir": str(self.adapter_dir)}
+        update = {"version": version, "form": form, "adapter_dir": str(self.adapter_dir)}
         self.update(lambda: update_round(OfflineClient(self.llm), update, version), version)
 
     def close(self) -> None:
@@ -213,9 +224,10 @@ class VllmServing:
 
 
 class VllmWorker(Worker):
-    """vLLM (GPUs, or its CPU build): as a rollout worker in a process or Ray actor of its own, fed over a sync group
-    (gloo on the CPU, NCCL on GPUs); inline, `InlineVllmEngine`. (vLLM holds its weights fused and sharded: no
-    checksum comparable to the trainer's.)"""
+    """vLLM (GPUs, or its CPU build) as a rollout worker: inline, fed through its in-process channel (or CUDA IPC
+    buckets, tensor-parallel), sleeping while the trainer trains on GPUs; in a process or Ray actor of its own, fed
+    over a channel it joins (gloo on the CPU, NCCL on GPUs). (vLLM holds its weights fused and sharded: no checksum
+    comparable to the trainer's.)"""
 
     @classmethod
     def settings(cls, own: VllmEngineSettings, context: EngineContext) -> VllmSettings:
@@ -223,32 +235,67 @@ class VllmWorker(Worker):
         if not context.device.startswith("cuda") and kv_cache_gb is None:  # what a step's rollouts need
             max_model_len, kv_cache_gb = kv_cache_for(context.model_path, context.dtype, context.sequences,
                                                       max_model_len or context.sequence_tokens)  # fmt: skip
+        lora_rank = context.lora_rank if "adapter" in context.forms else None
         return VllmSettings(context.model_path, context.dtype, own.tensor_parallel_size, own.gpu_memory_utilization,
-                            max_model_len, context.seed, context.adapter_rank, own.devices, device=context.device,
-                            kv_cache_gb=kv_cache_gb or 2.0, enforce_eager=own.enforce_eager)  # fmt: skip
+                            max_model_len, context.seed, lora_rank, own.devices, device=context.device,
+                            kv_cache_gb=kv_cache_gb or 2.0, enforce_eager=own.enforce_eager, inline=context.inline,
+                            bucket_bytes=context.bucket_bytes,
+                            keeps_weights_asleep=set(context.forms) != {"weights"})  # fmt: skip
 
     @classmethod
     def needs_own_process(cls, own: VllmEngineSettings) -> bool:
         return own.devices is not None
-
-    @classmethod
-    def inline(cls, settings: VllmSettings, *, bucket_bytes: int) -> RolloutEngine:
-        """In the trainer's process (on its GPUs: sleeping while it trains)."""
-        from lorarl.trainer.engines.vllm_inline import InlineVllmEngine
-
-        return InlineVllmEngine.start(settings, bucket_bytes=bucket_bytes)
-
-    capabilities = Capabilities()
 
     def __init__(self, settings: VllmSettings):
         if settings.devices is not None:  # before CUDA starts in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = settings.devices
         self.settings = settings
         self.serving = VllmServing(start_llm(settings))
+        self.capabilities = Capabilities(sleep=settings.inline and settings.on_gpu)
+        self.transfer: VllmWeightTransfer | None = None  # inline: the trainer's end, opened with the first update
+        self.asleep = False
 
     @property
     def version(self) -> int:
         return self.serving.version
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        if self.asleep:
+            if not self.settings.keeps_weights_asleep:
+                raise EngineError("the inline vLLM engine freed its weights to sleep: sync weights before generating")
+            self.serving.llm.wake_up()
+            self.asleep = False
+        return self.serving.generate(prompts, sampling)
+
+    # --- inline -------------------------------------------------------------------------------------------------
+
+    def apply(self, update: Update, *, shared: bool = False) -> SyncStats:
+        """Send `update` through vLLM's weight-update API over the in-process channel (or CUDA IPC buckets to the
+        tensor-parallel workers), waking the engine first if it sleeps."""
+        started = time.perf_counter()
+        if self.transfer is None:
+            settings, workers = self.settings, self.settings.tensor_parallel_size
+            self.transfer = VllmWeightTransfer(OfflineClient(self.serving.llm), workers=workers,
+                                               channel="local" if workers == 1 else "ipc", timeout=settings.timeout,
+                                               bucket_bytes=settings.bucket_bytes)  # fmt: skip
+        asleep, self.asleep = self.asleep, False
+        if asleep:  # the weights back first (a fresh KV cache after the update)
+            self.serving.llm.wake_up(tags=["weights"])
+        stats = self.serving.update(lambda: self.transfer.send(update, adapter_dir=self.serving.adapter_dir),
+                                    update.version)  # fmt: skip
+        if update.form == "adapter":
+            self.serving.serve_adapter(str(adapter_path(self.serving.adapter_dir, update.version)))
+        if asleep:
+            self.serving.llm.wake_up(tags=["kv_cache"])
+        return dataclasses.replace(stats, seconds=time.perf_counter() - started)
+
+    def sleep(self) -> None:
+        """Free the GPU for training (see the module docstring for what each level keeps)."""
+        if self.capabilities.sleep and not self.asleep:
+            self.serving.llm.sleep(level=1 if self.settings.keeps_weights_asleep else 2)
+            self.asleep = True
+
+    # --- in a process or actor of its own -----------------------------------------------------------------------
 
     def join(self, host: str, port: int, world_size: int, rank: int) -> int:
         info = {"channel": self.settings.sync_backend, "host": host, "port": port, "world_size": world_size,
@@ -256,21 +303,13 @@ class VllmWorker(Worker):
         self.serving.llm.init_weight_transfer_engine({"init_info": info})
         return self.version
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        return self.serving.generate(prompts, sampling)
-
-    def receive(self, version: int) -> int:
-        self.serving.update_round(version)
-        return self.version
-
-    def receive_adapter(self, version: int) -> int:
-        self.serving.update_round(version, kind="adapter")
-        self.serving.serve_adapter(str(adapter_path(self.serving.adapter_dir, version)))
-        return self.version
-
-    def receive_factors(self, version: int) -> int:
-        self.serving.update_round(version, kind="factors")
+    def receive(self, form: str, version: int) -> int:
+        self.serving.update_round(version, form)
+        if form == "adapter":
+            self.serving.serve_adapter(str(adapter_path(self.serving.adapter_dir, version)))
         return self.version
 
     def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
         self.serving.close()

@@ -1,0 +1,54 @@
+"""Every registered channel behind one interface: each carries the updates of its forms whole, to every receiver,
+exactly as sent (gloo and the shared-memory mailbox between processes; `local` within one); a form a channel does
+not carry, or a receiver of another process on `local`, is refused naming it."""
+
+import threading
+from functools import partial
+
+import pytest
+from channel_workers import RECEIVERS, as_lists, end, updates
+from sync_processes import run_group
+
+from lorarl.weight_sync import CHANNELS, Link, TransferError, Update, open_channel
+
+
+@pytest.mark.parametrize("name", ["gloo", "ipc"])  # ipc: shared memory on the CPU, CUDA IPC on a GPU
+def test_a_channel_between_processes_delivers_each_update_whole_to_every_receiver(name):
+    results = run_group([partial(end, name)] * (1 + RECEIVERS), join=False)
+    assert all(status == "ok" for status, _ in results.values()), results
+    sent = updates(CHANNELS[name].forms)
+    assert results[0][1] == [u.version for u in sent]
+    for rank in range(1, 1 + RECEIVERS):
+        assert results[rank][1] == [as_lists(u) for u in updates(CHANNELS[name].forms)]
+
+
+def test_the_local_channel_hands_the_tensors_themselves_to_a_receiver_of_this_process():
+    link = CHANNELS["local"].new_link(1, timeout=5.0)
+    sender, receiver = open_channel("local", link, 0), open_channel("local", link, 1)
+    for update in updates(CHANNELS["local"].forms):
+        stats = sender.send(update)
+        got = receiver.receive(update.form, update.version)
+        if update.form != "weights":
+            assert got.tensors is update.tensors  # no copy: the receiver must copy what it keeps (`shares`)
+        assert as_lists(got) == as_lists(updates(("weights", "factors", "adapter"))[update.version - 1])
+        assert stats.tensors == (5 if update.form == "weights" else len(got.tensors))  # a stream: counted as taken
+    with pytest.raises(TransferError, match="no version 9 was handed over within"):
+        receiver.receive("weights", 9)
+    waiting = threading.Thread(target=lambda: sender.send(updates(("factors",))[0]))
+    waiting.start()
+    with pytest.raises(TransferError, match="handed over as factors, expected weights"):
+        receiver.receive("weights", 2)
+    waiting.join()
+
+
+def test_what_a_channel_cannot_carry_is_refused_by_name():
+    link = CHANNELS["local"].new_link(1)
+    with pytest.raises(ValueError, match="the 'local' channel reaches one receiver"):
+        open_channel("local", Link(port=link.port, receivers=2), 0)
+    with pytest.raises(ValueError, match="unknown channel 'carrier-pigeon': expected one of gloo, nccl, ipc, local"):
+        open_channel("carrier-pigeon", link, 0)
+    with pytest.raises(ValueError, match="an adapter update carries its peft config"):
+        Update("adapter", 1, {})
+    with pytest.raises(ValueError, match="a factors update is a mapping"):
+        Update("factors", 1, iter([]))
+    assert CHANNELS["ipc"].forms == ("weights", "factors")  # adapters go as files: over a wire or in-process
