@@ -32,7 +32,7 @@ and when each side's mean first reaches it, both sides at the steps every run sa
 recipe's end. `--sides lorarl --lorarl-override KEY=VALUE` runs a variant of the recipe alone.
 
     uv run --group bench python benchmarks/learning_vs_trl.py [--quick] [--seeds 3] [--budget-s 600]
-        [--out benchmarks/results/learning_vs_trl-NAME.jsonl]          # the PNG beside it
+        [--out OUT.jsonl]          # the PNG beside it; record the rows: scripts/results.py record learning_vs_trl
 """
 
 import argparse

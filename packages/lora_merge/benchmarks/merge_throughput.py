@@ -305,11 +305,11 @@ def main() -> None:
     args = parser.parse_args()
     args.min_seconds, args.min_reps = (0.3, 5) if args.quick else (1.0, 11)
     device = torch.device(args.device)
-    machine = (
+    processor = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     )
     run = {
-        "machine": machine,
+        "processor": processor,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "huge_page_allocations": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",

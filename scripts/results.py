@@ -1,0 +1,172 @@
+"""Benchmark results as data: one JSON-lines file per benchmark, every row stamped with the machine, date, commit and
+settings of its run; the data tables of `benchmarks/RESULTS.md` are made from those files by this script.
+
+    uv run --group bench python benchmarks/step_vs_trl.py --quick \\
+        | python scripts/results.py record step_vs_trl --machine cpu-2x-epyc-zen4 --settings quick
+    python scripts/results.py tables                                         # rewrite RESULTS.md's data tables
+    python scripts/results.py tables --check                                 # exit 1 if they differ from the data
+
+`record` stamps the rows with `--machine` (as the files name machines: cpu-2x-epyc-zen4, h200…), today's date, the
+checkout's commit and `--settings`. History stays in git: a run is rows in its benchmark's file, never a file of its
+own.
+"""
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
+STAMP = ("machine", "date", "commit", "settings")
+
+
+def spread(values: list[float], unit: str = "", digits: int = 2) -> str:
+    """`lo–hi` (or one value) of `values`, with `unit`."""
+    lo, hi = min(values), max(values)
+    return (
+        f"{lo:.{digits}f}{unit}" if round(lo, digits) == round(hi, digits) else f"{lo:.{digits}f}–{hi:.{digits}f}{unit}"
+    )
+
+
+def by(rows: list[dict], key: str) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(str(row.get(key)), []).append(row)
+    return groups
+
+
+def per_case(rows: list[dict], key: str, field: str, unit: str = "×") -> str:
+    return ", ".join(f"{case} {spread([r[field] for r in group if field in r], unit)}"
+                     for case, group in by(rows, key).items() if any(field in r for r in group))  # fmt: skip
+
+
+def step_vs_trl(rows: list[dict]) -> str:
+    return (f"speedup over TRL: {per_case(rows, 'case', 'speedup')}; "
+            f"memory {spread([r['memory_ratio'] for r in rows])} of TRL's")  # fmt: skip
+
+
+def learning_vs_trl(rows: list[dict]) -> str:
+    parts = [f"{key} {row[key]:.3g}" for row in rows if row.get("summary") for key in
+             ("time_ratio", "lorarl_peak_mean", "lorarl_final_mean") if isinstance(row.get(key), float)]  # fmt: skip
+    return "; ".join(parts) or f"{len(rows)} rows"
+
+
+def merge_throughput(rows: list[dict]) -> str:
+    parts = []
+    for backend, group in by([r for r in rows if "ratio_to_copy" in r and "model" not in r], "backend").items():
+        ratios = [r["ratio_to_copy"] for r in group]
+        parts.append(f"{backend} median {statistics.median(ratios):.2f} ({spread(ratios)})")
+    return "ratio to copy_: " + "; ".join(parts)
+
+
+def sync_throughput(rows: list[dict]) -> str:
+    return "ratio to the raw broadcast: " + per_case(rows, "payload", "ratio_to_raw", "")
+
+
+def sync_modes(rows: list[dict]) -> str:
+    measured = [{**r, "where": f"{r['case']} on {r['engine']}", "ratio": r["factors"]["sync_s_vs_merged"]}
+                for r in rows if isinstance(r.get("factors"), dict)]  # fmt: skip
+    return "factor sync's time over merged sync's: " + per_case(measured, "where", "ratio")
+
+
+def rollout_throughput(rows: list[dict]) -> str:
+    return "vLLM's speed over the HF engine's: " + per_case(rows, "case", "speedup")
+
+
+def decode_head(rows: list[dict]) -> str:
+    return f"sliced head over the whole: {spread([r['sliced_over_whole'] for r in rows])}"
+
+
+def gradient_checkpointing(rows: list[dict]) -> str:
+    return (f"memory {spread([r['memory_ratio'] for r in rows])} with it, "
+            f"time {spread([r['time_ratio'] for r in rows])}")  # fmt: skip
+
+
+def gpu_check(rows: list[dict]) -> str:
+    return ", ".join(f"{r['check']} {r['status']}" for r in rows if r["check"] != "environment")
+
+
+# each benchmark: its data file, and the headline of a run (its rows)
+BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
+    "step_vs_trl": (ROOT / "benchmarks/results/step_vs_trl.jsonl", step_vs_trl),
+    "learning_vs_trl": (ROOT / "benchmarks/results/learning_vs_trl.jsonl", learning_vs_trl),
+    "sync_modes": (ROOT / "benchmarks/results/sync_modes.jsonl", sync_modes),
+    "rollout_throughput": (ROOT / "benchmarks/results/rollout_throughput.jsonl", rollout_throughput),
+    "decode_head": (ROOT / "benchmarks/results/decode_head.jsonl", decode_head),
+    "gradient_checkpointing": (ROOT / "benchmarks/results/gradient_checkpointing.jsonl", gradient_checkpointing),
+    "gpu_check": (ROOT / "benchmarks/results/gpu_check.jsonl", gpu_check),
+    "merge_throughput": (ROOT / "packages/lora_merge/benchmarks/results/merge_throughput.jsonl", merge_throughput),
+    "sync_throughput": (ROOT / "packages/weight_sync/benchmarks/results/sync_throughput.jsonl", sync_throughput),
+}
+
+
+def read(benchmark: str) -> list[dict]:
+    path = BENCHMARKS[benchmark][0]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def runs(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    """The rows grouped by their stamp (a run), newest first."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[key] for key in STAMP), []).append(row)
+    return sorted(groups.items(), key=lambda item: item[0][1], reverse=True)
+
+
+def table(benchmark: str) -> str:
+    headline = BENCHMARKS[benchmark][1]
+    lines = ["| machine | date | commit | settings | result |", "|---|---|---|---|---|"]
+    for (machine, date, commit, settings), group in runs(read(benchmark)):
+        lines.append(f"| {machine} | {date} | {commit} | {settings or '—'} | {headline(group)} |")
+    return "\n".join(lines)
+
+
+def rendered(text: str) -> str:
+    """`text` with each `<!-- data:NAME -->` … `<!-- /data -->` block holding NAME's table as the data make it."""
+
+    def fill(match: re.Match) -> str:
+        return f"<!-- data:{match[1]} -->\n{table(match[1])}\n<!-- /data -->"
+
+    return re.sub(r"<!-- data:(\w+) -->\n.*?<!-- /data -->", fill, text, flags=re.S)
+
+
+def record(benchmark: str, settings: str, machine: str) -> int:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()  # fmt: skip
+    stamp = {"machine": machine, "date": datetime.date.today().isoformat(), "commit": commit,
+             "settings": settings}  # fmt: skip
+    rows = [json.loads(line) for line in sys.stdin if line.strip().startswith("{")]
+    with BENCHMARKS[benchmark][0].open("a") as data:
+        for row in rows:
+            data.write(json.dumps({**stamp, **{k: v for k, v in row.items() if k not in STAMP}}) + "\n")
+    print(f"{len(rows)} rows recorded in {BENCHMARKS[benchmark][0]}", file=sys.stderr)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    add = verbs.add_parser("record", help="stamp the JSON rows on stdin and append them to the benchmark's file")
+    add.add_argument("benchmark", choices=BENCHMARKS)
+    add.add_argument("--settings", default="", help="what set this run apart (e.g. quick, bf16)")
+    add.add_argument("--machine", required=True, help="the machine, as the file names it (e.g. cpu-2x-epyc-zen4, h200)")
+    tables = verbs.add_parser("tables", help="rewrite RESULTS.md's data tables from the data")
+    tables.add_argument("--check", action="store_true", help="only say whether they are current (exit 1 if not)")
+    args = parser.parse_args()
+    if args.verb == "record":
+        return record(args.benchmark, args.settings, args.machine)
+    text = RESULTS_MD.read_text()
+    if args.check:
+        return int(rendered(text) != text)
+    RESULTS_MD.write_text(rendered(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
