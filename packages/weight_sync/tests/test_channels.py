@@ -34,6 +34,11 @@ def test_the_local_channel_hands_the_tensors_themselves_to_a_receiver_of_this_pr
         assert stats.tensors == (5 if update.form == "weights" else len(got.tensors))  # a stream: counted as taken
     with pytest.raises(TransferError, match="no version 9 was handed over within"):
         receiver.receive("weights", 9)
+    sender.send(updates(("weights",))[0])  # never taken (its receiver failed first): the next send drops it
+    sender.send(updates(("factors",))[0])
+    with pytest.raises(TransferError, match="no version 1 was handed over"):
+        receiver.receive("weights", 1)
+    assert receiver.receive("factors", 2).version == 2
     waiting = threading.Thread(target=lambda: sender.send(updates(("factors",))[0]))
     waiting.start()
     with pytest.raises(TransferError, match="handed over as factors, expected weights"):

@@ -267,6 +267,8 @@ class LocalChannel(Channel):
         else:
             handed = replace(update, tensors=_checked(update.tensors, update.specs, stats))
         with _handoff_ready:
+            for stale in [key for key in _handoffs if key[0] == self.link.port]:  # left by a receiver that failed
+                del _handoffs[stale]
             _handoffs[self.link.port, update.version] = handed
             _handoff_ready.notify_all()
         return stats
