@@ -129,3 +129,12 @@ def test_help_has_every_key_type_default_and_meaning():
     assert "algorithm.clip_cov.ratio" in text  # a loss's
     assert "algorithm.max_sampling_rounds" in text
     assert "[1..]" in text
+
+
+def test_a_single_value_where_a_list_is_expected_is_a_list_of_one(tmp_path):
+    config = load_config(None, ["data.train_files=data/train.jsonl", "model.lora.target_modules=q_proj"])
+    assert config.data.train_files == ["data/train.jsonl"]
+    assert config.model.lora.target_modules == ["q_proj"]
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  val_files: data/val.jsonl\n")
+    assert load_config(path).data.val_files == ["data/val.jsonl"]

@@ -183,11 +183,13 @@ def _peft_merge(model_path, adapter_tensors, config) -> dict[str, torch.Tensor]:
     return model.merge_and_unload().state_dict()
 
 
-def test_resume_repeats_the_uninterrupted_run(tiny_setup, tmp_path):
+def test_resume_repeats_the_uninterrupted_run(tiny_setup, tmp_path, capsys):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     assert main(tiny_overrides(tiny_setup, straight, trainer__steps=4)) == 0
-    assert main(tiny_overrides(tiny_setup, interrupted, trainer__steps=2)) == 0
+    assert main(tiny_overrides(tiny_setup, interrupted, trainer__steps=2, trainer__resume="auto")) == 0
+    assert f"no checkpoint in {interrupted}: starting a fresh run" in capsys.readouterr().out  # said, not silent
     assert main(tiny_overrides(tiny_setup, interrupted, trainer__steps=4, trainer__resume="auto")) == 0
+    assert "resumed from" in capsys.readouterr().out
     expected, resumed = metrics(straight), metrics(interrupted)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     for a, b in zip(expected[2:], resumed[2:], strict=True):

@@ -88,14 +88,34 @@ def _layers(path: str | Path | None, overrides: list[str], presets: dict | None)
     if isinstance(loaded.get("algorithm"), str):
         chosen.insert(0, loaded.pop("algorithm"))
     layers = [_preset_layer(name, presets) for name in chosen]
-    layers.append(_moved(loaded, f"in {path}"))
+    layers.append(_listed(_moved(loaded, f"in {path}")))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"{item!r}: overrides are key=value (e.g. model.lora.rank=32)")
         key, value = item.split("=", 1)
         layer = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
-        layers.append(_moved(layer, "on the command line"))
+        layers.append(_listed(_moved(layer, "on the command line")))
     return [OmegaConf.create(layer) for layer in layers]
+
+
+def _takes_a_list(tp) -> bool:
+    return typing.get_origin(tp) is list or any(typing.get_origin(t) is list for t in typing.get_args(tp))
+
+
+LIST_KEYS = [key for key, f in leaves(Config) if _takes_a_list(f.type)]
+
+
+def _listed(layer: dict) -> dict:
+    """`layer` with a single value given where the schema takes a list as that list of one
+    (`data.train_files=data/train.jsonl`, `target_modules: q_proj`)."""
+    for key in LIST_KEYS:
+        *sections, name = key.split(".")
+        node = layer
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(name), str | int | float):
+            node[name] = [node[name]]
+    return layer
 
 
 def _moved(layer: dict, where: str) -> dict:

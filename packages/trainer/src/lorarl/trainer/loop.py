@@ -54,6 +54,8 @@ class Trainer:
         # a GRPO group's responses share their prompt: run it once (padded layout, log-probs from the hidden states)
         share_prompts = layout == "padded" and r.n > 1 and scores_from_hidden(self.model)
         resume_from = checkpoint.to_resume(t.resume, self.output_dir)
+        if resume_from is None and t.resume == "auto":
+            self.console.say(f"no checkpoint in {self.output_dir}: starting a fresh run")
         if resume_from is not None:  # before sharding: every rank reads the full weights
             checkpoint.check_resumable(resume_from, config, critic=self.critic is not None)
             checkpoint.load_policy(resume_from, self.model, is_lora=self.policy.is_lora)
