@@ -17,6 +17,7 @@ import torch
 
 from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.hub import dataset_files, is_hub_id
 
 AUTO_ANSWER = ("answer", "reward_model.ground_truth")  # data.answer_key=auto tries these in order
 
@@ -35,11 +36,18 @@ class Example:
     columns: dict = field(default_factory=dict)  # the row's other fields (data_source, extra_info, ...)
 
 
-def read_rows(files: list[str], *, default_file: str) -> list[Row]:
-    """Rows of every file, in order. `default` names the embedded task's file `default_file`."""
+def read_rows(files: list[str], *, default_file: str, split: str = "train", config: str | None = None,
+              key: str = "data.train_files") -> list[Row]:  # fmt: skip
+    """Rows of every file, in order. `default` names the embedded task's file `default_file`; a Hub dataset id
+    (`org/name`) its split `split` of subset `config` (`hub.dataset_files`)."""
     rows: list[Row] = []
     for name in files:
-        paths = [default_task.MODEL_DIR / default_file] if name == "default" else _expand(name)
+        if name == "default":
+            paths = [default_task.MODEL_DIR / default_file]
+        elif is_hub_id(name):
+            paths = dataset_files(name, key, config=config, split=split)
+        else:
+            paths = _expand(name)
         for path in paths:
             rows += _read(path)
     return rows
@@ -179,9 +187,12 @@ def _prompt_ids(prompt, tokenizer, use_template: bool, system_prompt: str | None
     return ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
 
 
-def load_examples(files: list[str], default_file: str, tokenizer, section) -> tuple[list[Example], int]:
-    """The examples of `files` by the `data` section's keys (`DataSection`), and how many were too long."""
-    rows = read_rows(files, default_file=default_file)
+def load_examples(role: str, tokenizer, section) -> tuple[list[Example], int]:
+    """The examples of `data.<role>_files` ("train" or "val") by the `data` section's keys (`DataSection`), and how
+    many were too long."""
+    files = getattr(section, f"{role}_files")
+    rows = read_rows(files, default_file=f"{role}.jsonl", split=getattr(section, f"{role}_split"),
+                     config=section.dataset_config, key=f"data.{role}_files")  # fmt: skip
     examples, dropped = build_examples(rows, tokenizer, prompt_key=section.prompt_key, answer_key=section.answer_key,
                                        max_prompt_tokens=section.max_prompt_tokens, chat_template=section.chat_template,
                                        system_prompt=section.system_prompt)  # fmt: skip

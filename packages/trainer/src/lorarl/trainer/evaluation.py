@@ -43,7 +43,9 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     saved = directory / "config.yaml"
     config = load_config(saved if saved.is_file() else None, overrides, presets=PRESETS)
     device, dtype = resolve_device(config.trainer.device), DTYPES[config.model.dtype]
-    base_path = resolve_model_path(config.model.path, config.model.gguf_file, config.model.dtype)  # its tokenizer
+    base_path = resolve_model_path(
+        config.model.path, config.model.gguf_file, config.model.dtype, config.model.revision
+    )  # its tokenizer
     if (directory / "adapter" / "adapter_config.json").is_file():
         from peft import PeftModel
 
@@ -53,7 +55,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     else:
         raise TrainerError(f"{directory}: neither a checkpoint (adapter/ or model/) nor a model directory")
     tokenizer = load_tokenizer(base_path)
-    examples, _ = data.load_examples(config.data.val_files, "val.jsonl", tokenizer, config.data)
+    examples, _ = data.load_examples("val", tokenizer, config.data)
     examples = examples[: config.data.val_size] if config.data.val_size else examples
     settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
                           config.rollout.hf.batch_size)  # fmt: skip

@@ -19,7 +19,7 @@ def export_merged(checkpoint: str | Path, out: str | Path) -> Path:
         raise TrainerError(f"{checkpoint} holds no adapter (a full fine-tune's model/ is already a full model)")
     config = yaml.safe_load((checkpoint / "config.yaml").read_text())
     section = config["model"]
-    path = resolve_model_path(section["path"], section.get("gguf_file"), section["dtype"])
+    path = resolve_model_path(section["path"], section.get("gguf_file"), section["dtype"], section.get("revision"))
     from peft import PeftModel
 
     base = load_base(path, DTYPES[config["model"]["dtype"]], torch.device("cpu"))

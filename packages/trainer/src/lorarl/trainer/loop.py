@@ -68,9 +68,8 @@ class Trainer:
                 if not self.critic.shares_base:
                     shard(self.critic.model, self.dp.mesh)
         self.tokenizer = load_tokenizer(self.policy.path)
-        self.train_set, dropped = data.load_examples(config.data.train_files, "train.jsonl", self.tokenizer,
-                                                     config.data)  # fmt: skip
-        self.val_set, val_dropped = data.load_examples(config.data.val_files, "val.jsonl", self.tokenizer, config.data)
+        self.train_set, dropped = data.load_examples("train", self.tokenizer, config.data)
+        self.val_set, val_dropped = data.load_examples("val", self.tokenizer, config.data)
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}

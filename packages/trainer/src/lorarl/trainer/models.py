@@ -17,6 +17,7 @@ from torch import nn
 from lorarl.lora_merge import cpu_has_native_bf16
 from lorarl.trainer import cpu_attention, default_task
 from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.hub import is_hub_id, model_dir
 from lorarl.trainer.schema import CriticSection, LoraSection, ModelSection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,10 +69,17 @@ def warn_slow_dtypes(chosen: dict[str, str], device: torch.device) -> None:
                       "float32; float32 is faster here", stacklevel=3)  # fmt: skip
 
 
-def resolve_model_path(path: str, gguf_file: str | None = None, dtype: str = "float32") -> Path:
-    """The Hugging Face model directory `model.path` names ('default': the embedded model) — or, with
-    `model.gguf_file`, the directory its GGUF checkpoint is dequantised into (`dequantized_gguf`)."""
-    resolved = default_task.MODEL_DIR if path == "default" else Path(path)
+def resolve_model_path(path: str, gguf_file: str | None = None, dtype: str = "float32",
+                       revision: str | None = None) -> Path:  # fmt: skip
+    """The Hugging Face model directory `model.path` names ('default': the embedded model; a Hub id: its snapshot in
+    the Hugging Face cache, at `revision`) — or, with `model.gguf_file`, the directory its GGUF checkpoint is
+    dequantised into (`dequantized_gguf`)."""
+    if path == "default":
+        resolved = default_task.MODEL_DIR
+    elif is_hub_id(path):
+        resolved = model_dir(path, revision=revision, extra=(gguf_file,) if gguf_file else ())
+    else:
+        resolved = Path(path)
     if gguf_file is not None:
         return dequantized_gguf(resolved, gguf_file, dtype)
     if not (resolved / "config.json").is_file():
@@ -136,7 +144,7 @@ class Policy:
     """The trainable model and its reference log-prob context."""
 
     def __init__(self, section: ModelSection, device: torch.device, *, kl_coef: float):
-        self.path = resolve_model_path(section.path, section.gguf_file, section.dtype)
+        self.path = resolve_model_path(section.path, section.gguf_file, section.dtype, section.revision)
         self.dtype = DTYPES[section.dtype]
         base = load_base(self.path, self.dtype, device)
         self.is_lora = _uses_lora(section.lora)

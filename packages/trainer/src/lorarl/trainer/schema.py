@@ -22,7 +22,10 @@ class LoraSection:
 
 @dataclass
 class ModelSection:
-    path: str = option("default", "local Hugging Face causal-LM directory; 'default' = the embedded model")
+    path: str = option("default", "a Hugging Face causal LM: a local directory, or a Hub id (org/name, through the "
+                       "Hugging Face cache; HF_HUB_OFFLINE=1 reads the cache alone); 'default' = the embedded "
+                       "model")  # fmt: skip
+    revision: str | None = option(None, "branch, tag or commit of a Hub model id (None: main)")
     dtype: str = option("float32", "training weights dtype", ("float32", "bfloat16", "float16"))
     gguf_file: str | None = option(None, "a GGUF checkpoint (in model.path, or a path) to start from: dequantised "
                                    "once into a cached Hugging Face directory (needs the gguf package); model.path "
@@ -33,9 +36,14 @@ class ModelSection:
 @dataclass
 class DataSection:
     train_files: list[str] = option(["default"], "prompt data: .jsonl/.json/.parquet/.csv files, `datasets` "
-                                    "save_to_disk directories, glob patterns; 'default' = the embedded "
+                                    "save_to_disk directories, glob patterns, Hub datasets (org/name: "
+                                    "data.dataset_config, data.train_split); 'default' = the embedded "
                                     "task")  # fmt: skip
     val_files: list[str] = option(["default"], "validation data (same formats)")
+    dataset_config: str | None = option(None, "subset of the Hub datasets named in train_files/val_files (org/name), "
+                                        "e.g. main for openai/gsm8k")  # fmt: skip
+    train_split: str = option("train", "the split of a Hub dataset named in train_files")
+    val_split: str = option("test", "the split of a Hub dataset named in val_files")
     prompt_key: str = option("prompt", "field holding the prompt: text, or a list of chat messages (verl's schema)")
     answer_key: str = option("auto", "field (dotted path) of the reference answer given to the reward; auto: answer, "
                              "else verl's reward_model.ground_truth")  # fmt: skip
