@@ -48,6 +48,17 @@ class Plugin:
         return self.target(*args, **kwargs)
 
     @property
+    def origin(self) -> str:
+        """Where it comes from, as a config names it: `package.module:name`, or `path/to/file.py:name` for a plugin
+        file's."""
+        if isinstance(self.target, str):
+            return self.target
+        module = sys.modules.get(getattr(self.target, "__module__", ""))
+        path = next((p for p, m in _FILE_MODULES.items() if m is module), None)
+        name = getattr(self.target, "__qualname__", self.name)
+        return f"{path}:{name}" if path is not None else f"{self.target.__module__}:{name}"
+
+    @property
     def summary(self) -> str:
         """Its docstring's first paragraph, on one line, cut to 90 characters."""
         text = " ".join((self.target.__doc__ or "").strip().split("\n\n")[0].split())

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lorarl.trainer.algorithms.aggregation import checked_output
 from lorarl.trainer.algorithms.critic import gae_returns, last_token_rewards
 from lorarl.trainer.lazy import torch
 from lorarl.trainer.registry import Plugin, Registry, option
@@ -68,7 +69,9 @@ def advantages(
         options["baseline"] = baseline
     if entry.needs_values:
         options.update(values=values, token_penalty=token_penalty)
-    return entry(rewards, group_index, mask, **options)
+    return checked_output(
+        entry, "advantage estimator", entry(rewards, group_index, mask, **options), mask.shape, "advantages"
+    )
 
 
 @dataclass

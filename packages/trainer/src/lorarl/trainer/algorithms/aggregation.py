@@ -7,6 +7,26 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
+
+def checked_output(entry, kind: str, value, shape: tuple[int, ...], what: str) -> Tensor:
+    """`value`, what the registered `entry` (a `kind`: estimator, policy loss…) returned as `what`, if it is a
+    floating-point or boolean tensor of `shape`; else a `TrainerError` naming the piece by where it comes from, what
+    it returned and what was expected — not a traceback from deep inside the step."""
+    import torch
+
+    from lorarl.trainer.errors import TrainerError
+
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape) and not value.is_complex() and (
+            value.is_floating_point() or value.dtype == torch.bool):  # fmt: skip
+        return value
+    got = (f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+           if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}")  # fmt: skip
+    raise TrainerError(
+        f"{kind} {entry.name} ({entry.origin}) returned {got} as {what}; expected a float tensor of "
+        f"shape {tuple(shape)} (responses x response tokens)"
+    )
+
+
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from lorarl.trainer.algorithms.aggregation import checked_output
 from lorarl.trainer.lazy import torch
 from lorarl.trainer.registry import Plugin, Registry
 
@@ -22,7 +23,9 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str | Plugin, settings=None
     entry = KL_ESTIMATORS[kind]
     if logp.shape != ref_logp.shape:
         raise ValueError(f"ref_logp must have the shape of logp {tuple(logp.shape)}, got {tuple(ref_logp.shape)}")
-    return entry(logp - ref_logp, **entry.keywords(settings))
+    return checked_output(
+        entry, "KL estimator", entry(logp - ref_logp, **entry.keywords(settings)), logp.shape, "the per-token KL"
+    )
 
 
 @register_kl_estimator("k1")

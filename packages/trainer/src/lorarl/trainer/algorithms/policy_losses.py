@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lorarl.trainer.algorithms.aggregation import aggregate, check_shapes
+from lorarl.trainer.algorithms.aggregation import aggregate, check_shapes, checked_output
 from lorarl.trainer.lazy import torch
 from lorarl.trainer.registry import Plugin, Registry, option
 
@@ -58,7 +58,14 @@ def policy_loss(
     if clip.dual is not None and clip.dual <= 1:
         raise ValueError(f"dual_clip must be > 1, got {clip.dual}")
     mask = response_mask.bool()
-    per_token, clipped, ratio = entry(logp, old_logp, advantages, mask, clip, **entry.keywords(settings))
+    returned = entry(logp, old_logp, advantages, mask, clip, **entry.keywords(settings))
+    if not isinstance(returned, tuple | list) or len(returned) != 3:
+        from lorarl.trainer.errors import TrainerError
+
+        raise TrainerError(f"policy loss {entry.name} ({entry.origin}) returned {type(returned).__name__}; expected "
+                           f"(per_token, clipped, ratio), each of shape {tuple(mask.shape)}")  # fmt: skip
+    per_token, clipped, ratio = (checked_output(entry, "policy loss", value, mask.shape, what) for value, what in
+                                 zip(returned, ("per_token", "clipped", "ratio"), strict=True))  # fmt: skip
     if is_weights is not None:
         per_token = per_token * is_weights
     loss = aggregate(per_token, mask, loss_agg_mode, **totals)
