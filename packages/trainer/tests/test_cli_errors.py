@@ -147,3 +147,13 @@ def test_a_resume_under_settings_that_do_not_fit_the_checkpoint_names_them(tiny_
     capsys.readouterr()
     assert main(tiny_overrides(tiny_setup, out, **resume)) == 0
     assert "nothing to train: the checkpoint is at step 2 and trainer.steps=2" in capsys.readouterr().out
+
+
+def test_a_reward_that_raises_in_the_first_validation_says_so(tiny_setup, tmp_path, capsys):
+    reward = tmp_path / "broken_reward.py"
+    reward.write_text("def score(prompt, response, answer):\n    raise ValueError('no score for ' + answer)\n")
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", reward__fn=f"{reward}:score", trainer__eval_every=5)
+    assert main(overrides) == 2
+    out = capsys.readouterr().out
+    assert "the reward function raised ValueError: no score for" in out
+    assert "in the validation before training (step 0) on: prompt=" in out

@@ -9,6 +9,7 @@ import numpy as np
 
 from lorarl.trainer import data, scoring
 from lorarl.trainer.engines import RolloutEngine
+from lorarl.trainer.rewards import RewardError
 from lorarl.trainer.rollout import greedy_scores, responses
 
 
@@ -16,7 +17,11 @@ def evaluate(engine: RolloutEngine, examples: list[data.Example], tokenizer, rew
              max_tokens: int, version: int) -> dict:  # fmt: skip
     """Mean reward, and accuracy (the share with full reward, >= 1), of the engine's greedy answers from weights
     `version`."""
-    scores = greedy_scores(engine, examples, tokenizer, reward, max_tokens=max_tokens, version=version)
+    try:
+        scores = greedy_scores(engine, examples, tokenizer, reward, max_tokens=max_tokens, version=version)
+    except RewardError as error:  # where it happened: before any training, or after step `version`
+        when = "the validation before training (step 0)" if version == 0 else f"the validation after step {version}"
+        raise RewardError(f"{error.problem} in {when}", error.response) from None
     return {"val/reward": float(np.mean(scores)), "val/accuracy": float(np.mean([s >= 1.0 for s in scores]))}
 
 
