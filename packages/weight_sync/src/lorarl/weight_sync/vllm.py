@@ -20,6 +20,7 @@ not import vLLM.
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +40,34 @@ def adapter_path(directory: str | Path, version: int) -> Path:
     return Path(directory) / f"v{version}"
 
 
+class HarmlessLoadWarnings(logging.Filter):
+    """Drops vLLM's warnings that every lorarl engine would print and that say nothing wrong: a layer that holds no
+    checkpoint weights (a rotary embedding's computed cache) "failed to load" at every reload of full weights, and a
+    float32 checkpoint loaded into the lower-precision engine `rollout.dtype` chose warns once per tensor. Others
+    pass."""
+
+    NARROWED = ("torch.bfloat16", "torch.float16")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights":
+            return not str(record.args[0]).endswith("RotaryEmbedding")
+        if str(record.msg).startswith("Attempted to load weight %s with dtype %s into parameter with dtype"):
+            return not (str(record.args[1]) == "torch.float32" and str(record.args[2]) in self.NARROWED)
+        return True
+
+
+QUIETED = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.models.utils")
+
+
 def register() -> None:
-    """Make the "lorarl" weight-transfer backend known to vLLM (run by vLLM in each of its processes, as a plugin)."""
+    """Make the "lorarl" weight-transfer backend known to vLLM (run by vLLM in each of its processes, as a plugin),
+    and quiet the warnings of its loaders that lorarl knows to be harmless there."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    for name in QUIETED:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, HarmlessLoadWarnings) for f in log.filters):
+            log.addFilter(HarmlessLoadWarnings())
 
     with contextlib.suppress(ValueError):  # already registered
         WeightTransferEngineFactory.register_engine(
