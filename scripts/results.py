@@ -112,11 +112,12 @@ def read(benchmark: str) -> list[dict]:
 
 
 def runs(rows: list[dict]) -> list[tuple[tuple, list[dict]]]:
-    """The rows grouped by their stamp (a run), newest first."""
+    """The rows grouped by their stamp (a run), newest first (by date, then the later recorded)."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(tuple(row[key] for key in STAMP), []).append(row)
-    return sorted(groups.items(), key=lambda item: item[0][1], reverse=True)
+    order = {stamp: index for index, stamp in enumerate(groups)}
+    return sorted(groups.items(), key=lambda item: (item[0][1], order[item[0]]), reverse=True)
 
 
 def table(benchmark: str) -> str:
