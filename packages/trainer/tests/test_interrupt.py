@@ -96,6 +96,11 @@ def test_a_signal_to_the_process_group_under_uv_run_checkpoints_and_prints_the_r
     assert f"stopped after step {stopped} (checkpoint written); resume with:" in output
     assert (out / "checkpoints" / f"step_{stopped}" / "trainer_state.pt").is_file()
     assert "trainer.resume=auto" in output.strip().splitlines()[-1]
+    lines = output.splitlines()  # stdout and stderr in one stream, as a redirected log has them: in order
+    notice = f"{'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'}: stopping after this step"
+    where = [next(i for i, line in enumerate(lines) if line.startswith(start))
+             for start in ("outputs: ", notice, f"stopped after step {stopped}")]  # fmt: skip
+    assert where == sorted(where), output
 
 
 def test_a_second_ctrl_c_quits_at_once(tiny_setup, tmp_path):
