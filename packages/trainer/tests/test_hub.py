@@ -79,7 +79,7 @@ def test_nothing_cached_offline_names_the_id_and_how_to_fetch_it(tmp_path):
     done = run_trainer(tmp_path / "empty-cache", tmp_path / "out", "model.path=tiny-org/nowhere", offline=True)
     assert done.returncode != 0
     message = done.stdout + done.stderr
-    assert "model.path='tiny-org/nowhere': not in the Hugging Face cache" in message
+    assert "model.path='tiny-org/nowhere': nothing of that name on disk, not in the Hugging Face cache" in message
     assert "HF_HUB_OFFLINE=1" in message
     assert "`hf download tiny-org/nowhere`" in message
     assert "Traceback" not in message
@@ -103,3 +103,4 @@ def test_a_name_on_disk_is_a_path_not_an_id(tmp_path, monkeypatch):
     assert not is_hub_id("org/data")
     assert not is_hub_id("data/train.jsonl/x")
     assert not is_hub_id("train.jsonl")
+    assert not is_hub_id("data/train.jsonl")  # a missing file is reported as one, not looked up on the Hub

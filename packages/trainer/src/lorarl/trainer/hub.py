@@ -14,8 +14,9 @@ DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
 
 
 def is_hub_id(name: str) -> bool:
-    """`org/name`, and nothing of that name on disk."""
-    return bool(HUB_ID.fullmatch(name)) and not Path(name).exists()
+    """`org/name`, not a file's name (`data/train.jsonl` is a path, found or not), and nothing of that name on disk."""
+    path = Path(name)
+    return bool(HUB_ID.fullmatch(name)) and path.suffix not in (*DATA_SUFFIXES, ".gguf") and not path.exists()
 
 
 def model_dir(repo_id: str, *, revision: str | None = None, extra: tuple[str, ...] = ()) -> Path:
@@ -64,8 +65,8 @@ def _snapshot(repo_id: str, key: str, *, repo_type: str = "model", revision: str
         fetch = f"hf download {repo_id}" + (" --repo-type dataset" if repo_type == "dataset" else "") + (
             f" --revision {revision}" if revision else "")  # fmt: skip
         raise TrainerError(
-            f"{what}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: fetch it "
-            f"first where the Hub is reachable (`{fetch}`), or name a local directory"
+            f"{what}: nothing of that name on disk, not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"{why}: fetch it first where the Hub is reachable (`{fetch}`), or name a local path"
         ) from None
     except GatedRepoError:
         raise TrainerError(f"{what}: a gated repository: accept its terms on the Hub and log in (`hf auth login`) "
