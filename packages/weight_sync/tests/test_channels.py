@@ -29,7 +29,7 @@ def test_the_local_channel_hands_the_tensors_themselves_to_a_receiver_of_this_pr
         stats = sender.send(update)
         got = receiver.receive(update.form, update.version)
         if update.form != "weights":
-            assert got.tensors is update.tensors  # no copy: the receiver must copy what it keeps (`shares`)
+            assert got.tensors is update.tensors  # no copy: the receiver must copy what it keeps (`hands_over`)
         assert as_lists(got) == as_lists(updates(("weights", "factors", "adapter"))[update.version - 1])
         assert stats.tensors == (5 if update.form == "weights" else len(got.tensors))  # a stream: counted as taken
     with pytest.raises(TransferError, match="no version 9 was handed over within"):

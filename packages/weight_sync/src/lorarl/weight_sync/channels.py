@@ -54,7 +54,9 @@ class Channel(ABC):
     name: ClassVar[str]
     forms: ClassVar[tuple[str, ...]] = FORMS  # the forms it carries
     opens_together: ClassVar[bool] = True  # the ends open at once (a rendezvous); else the sender's end first
-    hands_over: ClassVar[bool] = False  # `send` completes before a receiver takes the update (same process)
+    # `send` completes before a receiver takes the update, which is the sender's own tensors (the same process): a
+    # receiver copies what it keeps and the sender changes
+    hands_over: ClassVar[bool] = False
 
     def __init__(self, link: Link, rank: int, *, device: torch.device | str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True):  # fmt: skip
@@ -62,11 +64,6 @@ class Channel(ABC):
             raise ValueError(f"rank must lie in [0, {link.receivers}] for a link to {link.receivers} receivers, got "
                              f"{rank}")  # fmt: skip
         self.link, self.rank = link, rank
-
-    @property
-    def shares(self) -> bool:
-        """A receiver gets the sender's own tensors (it must copy what it keeps and the sender changes)."""
-        return self.hands_over
 
     def send(self, update: Update) -> SyncStats:
         """Sender: deliver `update` to every receiver; returns once each has it (or, `hands_over`, once it is
@@ -82,7 +79,7 @@ class Channel(ABC):
     @abstractmethod
     def receive(self, form: str, version: int) -> Update:
         """Receiver: the update the sender sends as `version` in `form`, in tensors of the receiver's own (unless
-        `shares`). Factors and adapters come whole and checked; weights as a stream checked as it is consumed, which
+        `hands_over`). Factors and adapters come whole and checked; weights as a stream checked as it is consumed, which
         must be consumed to its end (stopping early tells the sender this receiver failed)."""
 
     def load_into(self, module: nn.Module, version: int) -> int:

@@ -158,7 +158,7 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         """A staged factor set, checked whole against the base weights kept (changing nothing if it does not fit),
         merged and loaded. Layers it does not name keep their weights: vLLM's reload puts them back, quietly."""
         factors, base = read_factor_set(dict(staged))
-        self.factors.store(base, share=self.channel.shares)  # in the trainer's process: its own tensors
+        self.factors.store(base, share=self.channel.hands_over)  # in the trainer's process: its own tensors
         merging = self.factors.merged(factors)  # checked here, before the model is touched; merged as it loads
         with _quiet("vllm.model_executor.model_loader.reload.layerwise"):  # "Failed to load weights" for each layer
             self._apply(merging, version)
