@@ -5,7 +5,8 @@
     uv run trainer --help                            # every key, its type, default and meaning
 
 Unknown keys and wrong types are rejected naming the key and the closest valid key. Presets (`presets.py`) are selected
-with `algorithm=<name>` (or `algorithm: <name>` in the file).
+with `algorithm=<name>` (or `algorithm: <name>` in the file), shipped tasks (`tasks/<name>.yaml`, below everything
+else) with `task=<name>`, the environment with `env=<name>` (short for `env.name`).
 """
 
 import difflib
@@ -82,12 +83,18 @@ def _without_pieces(layer):
 def _layers(path: str | Path | None, overrides: list[str], presets: dict | None) -> list:
     """The configuration's layers in order (presets, file, overrides), old keys moved."""
     loaded = _read_yaml(path) if path is not None else {}
-    overrides = list(overrides)
+    overrides = [f"env.name={o.split('=', 1)[1]}" if o.split("=", 1)[0] == "env" else o for o in overrides]
+    if isinstance(loaded.get("env"), str):  # env: <name>
+        loaded["env"] = {"name": loaded["env"]}
+    tasks = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "task"]
+    if isinstance(loaded.get("task"), str):
+        tasks.insert(0, loaded.pop("task"))
     chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "algorithm"]
-    overrides = [o for o in overrides if o.split("=", 1)[0] != "algorithm"]
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in ("algorithm", "task")]
     if isinstance(loaded.get("algorithm"), str):
         chosen.insert(0, loaded.pop("algorithm"))
-    layers = [_preset_layer(name, presets) for name in chosen]
+    layers = [_listed(_read_yaml(_task_file(name))) for name in tasks]
+    layers += [_preset_layer(name, presets) for name in chosen]
     layers.append(_listed(_moved(loaded, f"in {path}")))
     for item in overrides:
         if "=" not in item:
@@ -184,6 +191,18 @@ def _read_yaml(path: str | Path) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections")
     return loaded
+
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+
+
+def _task_file(name: str) -> Path:
+    """`task=<name>`: a shipped task's settings (`tasks/<name>.yaml`), the first layer of the configuration."""
+    path = TASKS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in TASKS_DIR.glob("*.yaml"))
+        raise ConfigError(f"task={name}: unknown task; choose one of {names}")
+    return path
 
 
 def _preset_layer(name: str, presets: dict | None):

@@ -34,16 +34,17 @@ class Example:
     answer: str
     prompt_ids: tuple[int, ...]
     columns: dict = field(default_factory=dict)  # the row's other fields (data_source, extra_info, ...)
+    where: str = ""  # its file and line, for error messages
 
 
 def read_rows(files: list[str], *, default_file: str, split: str = "train", config: str | None = None,
               key: str = "data.train_files") -> list[Row]:  # fmt: skip
-    """Rows of every file, in order. `default` names the embedded task's file `default_file`; a Hub dataset id
-    (`org/name`) its split `split` of subset `config` (`hub.dataset_files`)."""
+    """Rows of every file, in order. `default` (`calculator`) names an embedded task's file `default_file`; a Hub
+    dataset id (`org/name`) its split `split` of subset `config` (`hub.dataset_files`)."""
     rows: list[Row] = []
     for name in files:
-        if name == "default":
-            paths = [default_task.MODEL_DIR / default_file]
+        if name in default_task.EMBEDDED:
+            paths = [default_task.EMBEDDED[name] / default_file]
         elif is_hub_id(name):
             paths = dataset_files(name, key, config=config, split=split)
         else:
@@ -154,7 +155,7 @@ def build_examples(rows: list[Row], tokenizer, *, prompt_key: str, answer_key: s
             dropped += 1
             continue
         columns = {k: v for k, v in row.fields.items() if k != prompt_key}
-        examples.append(Example(prompt, str(answer), tuple(ids), columns))
+        examples.append(Example(prompt, str(answer), tuple(ids), columns, row.where))
     return examples, dropped
 
 
@@ -169,6 +170,18 @@ def _first(row: Row, keys: tuple[str, ...]):
 
 
 def _prompt_ids(prompt, tokenizer, use_template: bool, system_prompt: str | None, where: str) -> list[int]:
+    messages = prompt_messages(prompt, system_prompt, where)
+    if not use_template:
+        if len(messages) > 1 or not isinstance(prompt, str):
+            raise TrainerError(f"{where}: a chat prompt (messages, or data.system_prompt) needs the tokenizer's "
+                               "chat template (it has none, or data.chat_template=false)")  # fmt: skip
+        return tokenizer(prompt)["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
+
+
+def prompt_messages(prompt, system_prompt: str | None, where: str) -> list[dict]:
+    """A data row's prompt (text, or {role, content} messages) as chat messages, with `data.system_prompt`."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
@@ -178,13 +191,7 @@ def _prompt_ids(prompt, tokenizer, use_template: bool, system_prompt: str | None
                            f"{type(prompt).__name__}")  # fmt: skip
     if system_prompt is not None:
         messages = [{"role": "system", "content": system_prompt}] + [m for m in messages if m["role"] != "system"]
-    if not use_template:
-        if len(messages) > 1 or not isinstance(prompt, str):
-            raise TrainerError(f"{where}: a chat prompt (messages, or data.system_prompt) needs the tokenizer's "
-                               "chat template (it has none, or data.chat_template=false)")  # fmt: skip
-        return tokenizer(prompt)["input_ids"]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
+    return messages
 
 
 def load_examples(role: str, tokenizer, section) -> tuple[list[Example], int]:

@@ -68,6 +68,39 @@ def vocab_sliced(head: nn.Module):
         yield
 
 
+class StopStrings:
+    """Ends a row of one decode call when its response comes to contain one of `strings` (the end of a tool call),
+    as vLLM's `stop` does, and remembers where: `ends[row]` is the response's length with the token that completed
+    it. Only a token whose text holds a string's last character can complete one (`candidates`, `[V]`): those rows
+    alone decode their tail."""
+
+    def __init__(self, tokenizer, strings: tuple[str, ...], candidates: Tensor):
+        self.tokenizer, self.strings, self.candidates = tokenizer, strings, candidates
+        self.longest = max(map(len, strings))
+        self.ends: dict[int, int] = {}
+
+    @staticmethod
+    def candidates_of(tokenizer, strings: tuple[str, ...], vocab_size: int) -> Tensor:
+        """`[vocab_size]`: the tokens whose text holds the last character of one of `strings`."""
+        last = {s[-1] for s in strings}
+        texts = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        hits = [i for i, text in enumerate(texts) if i < vocab_size and text and any(c in text for c in last)]
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[hits] = True
+        return mask
+
+    def __call__(self, history: list[Tensor], token: Tensor, ended: Tensor) -> Tensor:
+        """Which rows the newest `token` ends (`history`: every step's tokens so far, the newest included)."""
+        hits = self.candidates.to(token.device)[token] & ~ended
+        stopped = torch.zeros_like(ended)
+        for row in hits.nonzero()[:, 0].tolist():
+            tail = [int(step[row]) for step in history[-self.longest :]]  # each token is a character or more
+            if any(s in self.tokenizer.decode(tail) for s in self.strings):
+                stopped[row] = True
+                self.ends[row] = len(history)
+        return stopped
+
+
 @torch.no_grad()
 def decode(
     model: nn.Module,
@@ -81,16 +114,17 @@ def decode(
     eos: int,
     pad: int,
     generator: torch.Generator | None = None,
+    stop: StopStrings | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`n` responses to each left-padded prompt `[B, P]`: `(tokens [B·n, T], logp [B·n, T])` (prompt i's responses
     in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when `temperature` is 0. `logp` is each token's log-prob
     under softmax(logits / temperature) (the raw distribution when greedy); after a row's `eos` its tokens are `pad`
-    and its log-probs 0. Stops when every row has ended."""
+    and its log-probs 0 — as after a stop string of `stop`. Stops when every row has ended."""
     with vocab_sliced(model.get_output_embeddings()):
-        return _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator)
+        return _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop)
 
 
-def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator):
+def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop):
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -110,6 +144,8 @@ def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p,
         tokens.append(token)
         logps.append(log_p.gather(1, token[:, None])[:, 0].masked_fill(ended, 0.0))
         ended |= token == eos
+        if stop is not None:
+            ended |= stop(tokens, token, ended)
         if bool(ended.all()) or step == max_tokens - 1:
             break
         mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)

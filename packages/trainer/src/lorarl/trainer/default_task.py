@@ -11,6 +11,7 @@ from pathlib import Path
 MAX_OPERAND = 999
 VOCAB = ["<pad>", "<eos>", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "="]
 MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+EMBEDDED = {"default": MODEL_DIR, "calculator": MODEL_DIR.parent / "calculator_model"}  # model.path, data files
 
 
 def is_validation(a: int, b: int) -> bool:

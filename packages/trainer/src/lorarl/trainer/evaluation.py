@@ -9,16 +9,18 @@ import numpy as np
 
 from lorarl.trainer import data, scoring
 from lorarl.trainer.engines import RolloutEngine
+from lorarl.trainer.envs.episodes import EpisodeRunner
 from lorarl.trainer.rewards import RewardError
 from lorarl.trainer.rollout import greedy_scores, responses
 
 
 def evaluate(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: scoring.Rewards, *,
-             max_tokens: int, version: int) -> dict:  # fmt: skip
-    """Mean reward, and accuracy (the share with full reward, >= 1), of the engine's greedy answers from weights
-    `version`."""
+             max_tokens: int, version: int, episodes: EpisodeRunner | None = None) -> dict:  # fmt: skip
+    """Mean reward, and accuracy (the share with full reward, >= 1), of the engine's greedy answers (greedy
+    episodes, with `episodes`) from weights `version`."""
     try:
-        scores = greedy_scores(engine, examples, tokenizer, reward, max_tokens=max_tokens, version=version)
+        scores = greedy_scores(engine, examples, tokenizer, reward, max_tokens=max_tokens, version=version,
+                               episodes=episodes)  # fmt: skip
     except RewardError as error:  # where it happened: before any training, or after step `version`
         when = "the validation before training (step 0)" if version == 0 else f"the validation after step {version}"
         raise RewardError(f"{error.problem} in {when}", error.response) from None

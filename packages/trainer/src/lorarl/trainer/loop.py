@@ -18,6 +18,8 @@ from lorarl.trainer import algorithms, checkpoint, data, scoring
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.console import Console, summary
 from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
+from lorarl.trainer.envs import SINGLE_TURN
+from lorarl.trainer.envs.episodes import EpisodeRunner
 from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
@@ -74,6 +76,10 @@ class Trainer:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
         self.reward = scoring.Rewards(config.reward)
+        self.episodes = None  # multi-turn: the environment's runner
+        if config.env.name != SINGLE_TURN:
+            self.episodes = EpisodeRunner(config.env, self.tokenizer, eos=self.tokenizer.eos_token_id,
+                                          system_prompt=config.data.system_prompt)  # fmt: skip
         self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip
@@ -220,11 +226,11 @@ class Trainer:
                                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed,
                                 tuple(sorted({kind.form for kind in kinds})), lora_rank, r.overlap,
                                 self.config.data.batch_size * r.n,
-                                self.config.data.max_prompt_tokens + r.max_tokens)  # fmt: skip
+                                self.config.data.max_prompt_tokens + self.actor.norm_len)  # fmt: skip
         engine = start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
         self.engine = engine
         self.rollouts = Rollouts(self.config, engine, self.train_set, self.sampler, self.tokenizer, self.reward,
-                                 prefetched=self.prefetched)  # fmt: skip
+                                 prefetched=self.prefetched, episodes=self.episodes)  # fmt: skip
         self.weights = self._weight_sync(engine)
         return engine
 
@@ -241,7 +247,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Greedy answers to the validation prompts: mean reward and accuracy."""
         return evaluate(self.engine, self.val_set, self.tokenizer, self.reward,
-                        max_tokens=self.config.rollout.max_tokens, version=self.weights.version)  # fmt: skip
+                        max_tokens=self.config.rollout.max_tokens, version=self.weights.version,
+                        episodes=self.episodes)  # fmt: skip
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
 

@@ -71,11 +71,11 @@ def warn_slow_dtypes(chosen: dict[str, str], device: torch.device) -> None:
 
 def resolve_model_path(path: str, gguf_file: str | None = None, dtype: str = "float32",
                        revision: str | None = None) -> Path:  # fmt: skip
-    """The Hugging Face model directory `model.path` names ('default': the embedded model; a Hub id: its snapshot in
-    the Hugging Face cache, at `revision`) — or, with `model.gguf_file`, the directory its GGUF checkpoint is
-    dequantised into (`dequantized_gguf`)."""
-    if path == "default":
-        resolved = default_task.MODEL_DIR
+    """The Hugging Face model directory `model.path` names ('default', 'calculator': an embedded model; a Hub id: its
+    snapshot in the Hugging Face cache, at `revision`) — or, with `model.gguf_file`, the directory its GGUF checkpoint
+    is dequantised into (`dequantized_gguf`)."""
+    if path in default_task.EMBEDDED:
+        resolved = default_task.EMBEDDED[path]
     elif is_hub_id(path):
         resolved = model_dir(path, revision=revision, extra=(gguf_file,) if gguf_file else ())
     else:

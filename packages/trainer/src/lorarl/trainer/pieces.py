@@ -7,9 +7,10 @@ def pluggable() -> dict:
     key's section, under the piece's name)."""
     from lorarl.trainer.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
     from lorarl.trainer.engines import ENGINES
+    from lorarl.trainer.envs import ENVIRONMENTS
     from lorarl.trainer.rewards import REWARDS
     from lorarl.trainer.sync_kinds import SYNC_KINDS
 
     return {"algorithm.adv_estimator": ADVANTAGES, "algorithm.policy_loss": POLICY_LOSSES,
             "algorithm.kl_estimator": KL_ESTIMATORS, "rollout.engine": ENGINES, "rollout.sync": SYNC_KINDS,
-            "reward.fn": REWARDS, "reward.fns": REWARDS}  # fmt: skip
+            "reward.fn": REWARDS, "reward.fns": REWARDS, "env.name": ENVIRONMENTS}  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 from lorarl.trainer import algorithms, data, rewards, scoring
 from lorarl.trainer.config import Config
 from lorarl.trainer.engines import GREEDY, Completion, EngineError, RolloutEngine, SamplingParams
+from lorarl.trainer.envs.episodes import Episode, EpisodeRunner, episode_metrics
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Sample:
     reward: float
     baseline: float | None = None  # the score of the prompt's greedy response (estimators that ask for one)
     scored: scoring.Score | None = None  # the reward functions' own scores, weighted into `score`
+    action_mask: tuple[bool, ...] | None = None  # an episode's: which tokens the engine sampled (None: all)
+    episode: int | None = None  # an episode's number in the step, shared by the samples it split into
 
 
 class Rollouts:
@@ -31,11 +34,14 @@ class Rollouts:
 
     def __init__(self, config: Config, engine: RolloutEngine, examples: list[data.Example],
                  sampler: data.PromptSampler, tokenizer, reward: scoring.Rewards,
-                 prefetched: tuple[list[int], list[Completion]] | None = None) -> None:  # fmt: skip
+                 prefetched: tuple[list[int], list[Completion]] | None = None,
+                 episodes: EpisodeRunner | None = None) -> None:  # fmt: skip
         self.config, self.engine, self.examples, self.sampler = config, engine, examples, sampler
         self.tokenizer, self.reward = tokenizer, reward
         self.needs_baseline = algorithms.ADVANTAGES[config.algorithm.adv_estimator].needs_greedy_baseline
         self.prefetched = prefetched  # the next step's batch (rollout.overlap)
+        self.episodes = episodes  # multi-turn: the environment's runner (None: single-turn)
+        self.played: list[Episode] = []  # this step's episodes, for their metrics
 
     def collect(self, step: int, version: int) -> tuple[list[Sample], dict]:
         """Rollouts of a batch of prompts, scored, from weights `version` (or one behind, with overlap). With dynamic
@@ -43,7 +49,7 @@ class Rollouts:
         groups are kept or `max_sampling_rounds` is reached; then the step trains on what was kept (on the last
         round's samples if nothing was)."""
         a, batch_size = self.config.algorithm, self.config.data.batch_size
-        drawn, kept, groups = [], [], 0
+        drawn, kept, groups, self.played = [], [], 0, []
         rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
         for round_ in range(rounds):
             samples = self.generate(step, round_, groups, version)
@@ -58,6 +64,8 @@ class Rollouts:
             if len({s.group for s in kept}) >= batch_size:
                 break
         metrics = rollout_metrics(drawn) | self.reward.metrics([s.scored for s in drawn if s.scored is not None])
+        if self.played:
+            metrics |= episode_metrics(self.played)
         if a.dynamic_sampling:
             chosen = set(sorted({s.group for s in kept})[:batch_size])
             kept = [s for s in kept if s.group in chosen] or samples
@@ -87,6 +95,8 @@ class Rollouts:
         """One batch of prompts, `rollout.n` responses each (generated during the last step with `rollout.overlap`),
         scored (and overlong-shaped)."""
         r, a = self.config.rollout, self.config.algorithm
+        if self.episodes is not None:
+            return self.play(step, round_, first_group, version)
         if round_ == 0 and self.prefetched is not None:
             (indices, completions), self.prefetched = self.prefetched, None
         else:
@@ -109,12 +119,89 @@ class Rollouts:
                        None if baselines is None else baselines[c.prompt_index], score)
                 for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
 
+    def play(self, step: int, round_: int, first_group: int, version: int) -> list[Sample]:
+        """Multi-turn: `rollout.n` episodes per prompt of the next batch, played to their ends (one engine call per
+        turn), scored — the environment's rewards plus the reward functions' score of the last action — and
+        turned into samples, one per segment (the episode's return on each)."""
+        r, a = self.config.rollout, self.config.algorithm
+        examples = [self.examples[i] for i in self.sampler.next_batch()]
+        episodes = play_episodes(
+            self.engine,
+            self.episodes,
+            examples,
+            r.n,
+            sampling_params(r, step_seed(self.config.trainer.seed, step, round_)),
+            version,
+        )
+        scores = self.reward.score(final_responses(episodes, self.tokenizer))
+        penalties = [0.0] * len(episodes)
+        if a.overlong_buffer_frac > 0:
+            budget = self.config.env.max_tokens
+            buffer = algorithms.overlong_buffer(a.overlong_buffer_frac, budget)
+            spent = torch.tensor([e.spent for e in episodes])
+            penalties = algorithms.overlong_penalty(spent, budget, buffer, a.overlong_penalty).tolist()
+        baselines = None
+        if self.needs_baseline:
+            baselines = greedy_scores(self.engine, examples, self.tokenizer, self.reward, max_tokens=r.max_tokens,
+                                      version=version, episodes=self.episodes)  # fmt: skip
+        samples = []
+        for number, (episode, score, penalty) in enumerate(zip(episodes, scores, penalties, strict=True)):
+            total = score.total + sum(episode.rewards)
+            baseline = None if baselines is None else baselines[episode.index]
+            for segment in episode.segments:
+                completion = Completion(episode.index, tuple(segment.tokens), tuple(segment.logprobs),
+                                        not episode.truncated, min(episode.versions, default=version))  # fmt: skip
+                samples.append(
+                    Sample(
+                        list(segment.prompt),
+                        completion,
+                        first_group + episode.index,
+                        total,
+                        total + penalty,
+                        baseline,
+                        score,
+                        tuple(segment.mask),
+                        len(self.played) + number,
+                    )
+                )
+        self.played += episodes
+        return samples
+
+
+def play_episodes(engine: RolloutEngine, runner: EpisodeRunner, examples: list[data.Example], n: int,
+                  sampling: SamplingParams, version: int, lag: int = 0) -> list[Episode]:  # fmt: skip
+    """`n` episodes per example, played on `engine` to their ends, every action checked to come from weights
+    `version` (or `lag` before)."""
+
+    def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        completions = engine.generate(prompts, params)
+        check_versions(completions, version, lag=lag)
+        return completions
+
+    episodes = runner.start(examples, n)
+    runner.play(generate, episodes, sampling)
+    return episodes
+
+
+def final_responses(episodes: list[Episode], tokenizer) -> list[rewards.Response]:
+    """What the reward functions see of each episode: its last action, as the response to its data row."""
+    last = [e.actions[-1].tokens if e.actions else () for e in episodes]
+    texts = tokenizer.batch_decode([list(t) for t in last], skip_special_tokens=True)
+    return [rewards.Response(e.example.prompt, text, e.example.answer, e.example.columns, tokens)
+            for e, text, tokens in zip(episodes, texts, last, strict=True)]  # fmt: skip
+
 
 def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: scoring.Rewards, *,
-                  max_tokens: int, version: int, lag: int = 0) -> list[float]:  # fmt: skip
-    """The run's reward of the engine's greedy answer to each prompt, from weights `version` (or `lag` before):
-    validation, and the baseline of ReMax-style estimators."""
-    completions = engine.generate([e.prompt_ids for e in examples], replace(GREEDY, max_tokens=max_tokens))
+                  max_tokens: int, version: int, lag: int = 0,
+                  episodes: EpisodeRunner | None = None) -> list[float]:  # fmt: skip
+    """The run's reward of the engine's greedy answer to each prompt (with `episodes`, the return of its greedy
+    episode), from weights `version` (or `lag` before): validation, and the baseline of ReMax-style estimators."""
+    greedy = replace(GREEDY, max_tokens=max_tokens)
+    if episodes is not None:
+        played = play_episodes(engine, episodes, examples, 1, greedy, version, lag)
+        scores = reward.score(final_responses(played, tokenizer))
+        return [score.total + sum(e.rewards) for score, e in zip(scores, played, strict=True)]
+    completions = engine.generate([e.prompt_ids for e in examples], greedy)
     check_versions(completions, version, lag=lag)
     return [score.total for score in reward.score(responses(examples, completions, tokenizer))]
 

@@ -170,6 +170,32 @@ class RewardSection:
 
 
 @dataclass
+class EnvSection:
+    """Multi-turn episodes (`envs/`): the environment, its tools, and the bounds of an episode."""
+
+    name: str = option("none", "the environment: none (single-turn: one response per prompt), tools (the model "
+                       "calls env.tools), or a plugin's Environment subclass by import path; its settings: "
+                       "env.<name>.*")  # fmt: skip
+    tools: list[str] = option([], "tools the model may call: typed functions with a docstring describing their "
+                              "arguments, by import path (package.module:fn, path/to/file.py:fn)")  # fmt: skip
+    tool_format: str = option("hermes", "how the model writes a tool call: hermes (<tool_call>{json}</tool_call>, "
+                              "Qwen-family templates) or compact (<call>name arg ...</call>)",
+                              ("hermes", "compact"))  # fmt: skip
+    max_turns: int = option(8, "actions per episode; an episode still going after them is truncated", minimum=1)
+    max_tokens: int = option(512, "an episode's tokens after its prompt (actions and what the environment appends); "
+                             "one reaching it is truncated. Each action is at most rollout.max_tokens",
+                             minimum=1)  # fmt: skip
+    max_tool_tokens: int = option(256, "a tool message is cut to this many tokens (0 = no limit)", minimum=0)
+    on_parse_error: str = option("stop", "a tool call the format cannot read: end the episode (stop reason "
+                                 "parse_error), or send the error back as the tool's message",
+                                 ("stop", "feedback"))  # fmt: skip
+    on_error: str = option("raise", "an environment that raises: stop the run (naming the episode's data row), or "
+                           "end the episode scored env.error_score (counted in env/errors)",
+                           ("raise", "score"))  # fmt: skip
+    error_score: float = option(0.0, "the return of an episode whose environment raised, with env.on_error=score")
+
+
+@dataclass
 class TrainerSection:
     steps: int = option(120, "optimizer steps (rollout batches)", minimum=0)
     eval_every: int = option(10, "validate (greedy) every so many steps, and at the start and end; 0 = never")
@@ -201,6 +227,7 @@ class Config:
     actor: ActorSection = field(default_factory=ActorSection)
     critic: CriticSection = field(default_factory=CriticSection)
     reward: RewardSection = field(default_factory=RewardSection)
+    env: EnvSection = field(default_factory=EnvSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
 
 

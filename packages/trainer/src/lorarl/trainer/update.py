@@ -9,6 +9,8 @@ import torch
 
 from lorarl.trainer import algorithms
 from lorarl.trainer.config import Config
+from lorarl.trainer.envs import SINGLE_TURN
+from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.logprobs import MicroBatch, micro_batch, micro_batches, response_logprobs, response_values
 from lorarl.trainer.models import Critic, Policy
 from lorarl.trainer.optim import Optimizer
@@ -24,12 +26,13 @@ class Batch:
     responses: list[tuple[int, ...]]
     width: int  # R: the longest response
     sample_lengths: list[int]  # prompt + response tokens (what a micro-batch holds)
-    response_mask: torch.Tensor  # every response token
+    response_mask: torch.Tensor  # every sampled response token (an episode's: its actions, not what its env appended)
     loss_mask: torch.Tensor  # the tokens that get a loss (truncated responses dropped with mask_truncated)
     rollout_logp: torch.Tensor  # the engine's log-probs of the sampled tokens
     rewards: torch.Tensor
     group: torch.Tensor
     baselines: torch.Tensor | None = None  # each prompt's greedy score, where the estimator asks for it
+    episode: torch.Tensor | None = None  # multi-turn: each row's episode, where one split into several rows
     reference: torch.Tensor | None = None
     old: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -46,6 +49,9 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
     rollout_logp = torch.zeros(len(samples), width)
     for i, s in enumerate(samples):
         rollout_logp[i, : len(s.completion.logprobs)] = torch.tensor(s.completion.logprobs)
+        if s.action_mask is not None:  # an episode's tokens that its environment appended get no loss
+            mask[i, : len(s.action_mask)] &= torch.tensor(s.action_mask, dtype=torch.bool)
+    episodes = [s.episode for s in samples]
     return Batch(
         prompts=[s.prompt_ids for s in samples],
         responses=responses,
@@ -57,6 +63,7 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
         rewards=torch.tensor([s.reward for s in samples]),
         group=torch.tensor([s.group for s in samples]),
         baselines=None if samples[0].baseline is None else torch.tensor([s.baseline for s in samples]),
+        episode=torch.tensor(episodes) if None not in episodes and len(set(episodes)) < len(episodes) else None,
     )
 
 
@@ -74,6 +81,8 @@ class ActorUpdate:
         self.loss = algorithms.POLICY_LOSSES[algorithm.policy_loss]
         self.kl = algorithms.KL_ESTIMATORS[algorithm.kl_estimator]
         self.clip = algorithms.ClipRange(algorithm.clip_low, algorithm.clip_high, algorithm.dual_clip)
+        multi_turn = config.env.name != SINGLE_TURN
+        self.norm_len = config.env.max_tokens if multi_turn else config.rollout.max_tokens  # a response's most
         a, c, steps = config.actor, config.critic, config.trainer.steps
         self.optimizer = Optimizer(policy.trainable(), lr=a.lr, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                                    warmup=a.warmup_steps, total=steps, schedule=a.lr_schedule)  # fmt: skip
@@ -100,13 +109,43 @@ class ActorUpdate:
             current = batch.old if batch.old is not None else self.logprobs(batch)
             penalty = a.kl_coef * self._kl(current, batch.reference) * batch.loss_mask
         settings = self.estimator.configured(a)
-        batch.advantages = algorithms.advantages(self.estimator, batch.rewards, batch.group, batch.loss_mask,
-                                                 baseline=batch.baselines, values=batch.values, token_penalty=penalty,
-                                                 **settings)  # fmt: skip
+        if batch.episode is not None:
+            batch.advantages = self._episode_advantages(batch, penalty, settings)
+        else:
+            batch.advantages = algorithms.advantages(self.estimator, batch.rewards, batch.group, batch.loss_mask,
+                                                     baseline=batch.baselines, values=batch.values,
+                                                     token_penalty=penalty, **settings)  # fmt: skip
         if batch.values is not None:  # the critic regresses on the returns of the estimator's discounting
             _, batch.returns = algorithms.gae_returns(batch.rewards, batch.values, batch.loss_mask,
                                                       gamma=settings.get("gamma", 1.0), lam=settings.get("lam", 1.0),
                                                       token_penalty=penalty)  # fmt: skip
+
+    def _episode_advantages(self, batch: Batch, penalty: torch.Tensor | None, settings: dict) -> torch.Tensor:
+        """Advantages where episodes split into several rows: the estimator sees one row per episode (its last, which
+        holds its return), so that group statistics count episodes; every row of the episode gets that row's
+        advantage. An estimator whose advantages vary along the tokens (a critic's, discounted returns) needs one
+        sequence per episode, and is refused."""
+        episode = batch.episode.tolist()
+        last = {e: i for i, e in enumerate(episode)}  # the rows of an episode come in order
+        rows = list(last.values())
+        mask = batch.loss_mask[rows]
+        per_row = algorithms.advantages(self.estimator, batch.rewards[rows], batch.group[rows], mask,
+                                        baseline=None if batch.baselines is None else batch.baselines[rows],
+                                        values=None if batch.values is None else batch.values[rows],
+                                        token_penalty=None if penalty is None else penalty[rows],
+                                        **settings)  # fmt: skip
+        first = mask.float().argmax(1)
+        constant = per_row.gather(1, first[:, None])
+        if self.estimator.needs_values or not torch.equal(per_row * mask, constant * mask):
+            raise TrainerError(
+                f"algorithm.adv_estimator={self.estimator.name} gives advantages that vary along an episode's "
+                "tokens, and this step's environment split episodes into several sequences (its observations "
+                "rewrote the context): use an outcome estimator (grpo, rloo, ...) or an environment whose "
+                "observations extend the context"
+            )
+        by_episode = dict(zip(last, constant[:, 0].tolist(), strict=True))
+        values = torch.tensor([by_episode[e] for e in episode], dtype=per_row.dtype)
+        return values[:, None] * batch.loss_mask
 
     def update(self, step: int, batch: Batch) -> dict:
         """PPO epochs x mini-batches x micro-batches, then the learning-rate schedules' step. The actor waits for the
@@ -124,7 +163,7 @@ class ActorUpdate:
                 totals = {
                     "total_tokens": float(batch.loss_mask[minibatch].sum().clamp(min=1)),
                     "total_sequences": float(batch.loss_mask[minibatch].any(1).sum()),  # those with a loss
-                    "norm_len": self.config.rollout.max_tokens,  # Dr. GRPO's constant length
+                    "norm_len": self.norm_len,  # Dr. GRPO's constant length
                 }
                 for micro in self._micro_batches(batch, minibatch):
                     rows = micro or minibatch[:1]  # None: this rank has no rows left; run one with zero weight

@@ -117,6 +117,16 @@ def check_rules(config: Config) -> None:
     if config.critic.lora.adapter_path is not None:
         raise ConfigError("critic.lora.adapter_path is not supported: a critic continues from a checkpoint "
                           "(trainer.resume)")  # fmt: skip
+    env = config.env
+    if env.tools and env.name == "none":
+        raise ConfigError(f"env.tools={env.tools} needs an environment that calls them: env.name=tools (or your own)")
+    if env.name != "none" and r.overlap:
+        raise ConfigError("rollout.overlap does not play multi-turn episodes (env.name): each turn waits for the "
+                          "environment; set rollout.overlap=false")  # fmt: skip
+    env_buffer = overlong_buffer(a.overlong_buffer_frac, env.max_tokens)
+    if env.name != "none" and a.overlong_buffer_frac > 0 and env_buffer >= env.max_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac}: with an environment the buffer "
+                          f"is a share of env.max_tokens={env.max_tokens}, and covers all of it")  # fmt: skip
     if r.overlap and placement(r, t.backend) == "inline":
         raise ConfigError("rollout.overlap generates beside the training: it needs rollout.worker=process")
     requires = ENGINES[r.engine].requires

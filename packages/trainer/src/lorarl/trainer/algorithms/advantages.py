@@ -207,12 +207,13 @@ def grpo_passk(rewards: Tensor, group_index: Tensor, mask: Tensor, *, norm_std: 
 @register_advantage("reinforce_pp", settings=DiscountSettings)
 def reinforce_pp(rewards: Tensor, group_index: Tensor, mask: Tensor, *, gamma: float, eps: float) -> Tensor:
     """REINFORCE++ (Hu 2025): the score on the last response token, returns discounted by `gamma` along the
-    response, whitened over the batch's tokens."""
+    response's valid tokens (an episode's environment tokens are skipped, not counted), whitened over the batch's
+    tokens."""
     token_rewards = last_token_rewards(rewards, mask)
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(mask.shape[0], dtype=torch.float32, device=rewards.device)
     for t in reversed(range(mask.shape[1])):
-        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        running = torch.where(mask[:, t].bool(), token_rewards[:, t] + gamma * running, running)  # holes skipped
         returns[:, t] = running
     return whiten(returns * mask, mask, eps)
 

@@ -32,6 +32,8 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 16
     seed: int = 0
+    stop: tuple[str, ...] = ()  # strings that end a response besides end-of-sequence (kept in it)
+    seed_per_prompt: bool = False  # prompt i samples with seed + i (repeated prompts answered apart: episodes)
 
     def __post_init__(self):
         if self.n < 1 or self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -48,7 +50,7 @@ class Completion:
     prompt_index: int
     token_ids: tuple[int, ...]  # the response, with the end-of-sequence token when it stopped on it
     logprobs: tuple[float, ...]  # the engine's log-probs of those tokens (its sampling distribution)
-    finished: bool  # stopped on end-of-sequence (False: cut at max_tokens)
+    finished: bool  # stopped on end-of-sequence or a stop string (False: cut at max_tokens)
     version: int  # weights that produced it
 
 

@@ -9,14 +9,14 @@ the pristine base the worker keeps.
 import hashlib
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lorarl.trainer import cpu_attention
-from lorarl.trainer.decode import decode
+from lorarl.trainer.decode import StopStrings, decode
 from lorarl.trainer.engines import HFEngineSettings
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, SamplingParams, Worker
 from lorarl.weight_sync import Channel, Link, SyncStats, Update, copy_into, open_channel, save_adapter
@@ -63,10 +63,25 @@ class HFWorker(Worker):
         self.channel: Channel | None = None
         self.adapter = None  # a peft model around self.model while an adapter is served unmerged
         self.factors = FactorMerger(settings.dtype)  # the pristine base weights of the factor sync
+        self.tokenizer = None  # loaded for stop strings
+        self.stop_candidates: dict[tuple[str, ...], torch.Tensor] = {}
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
-        return generate_with_hf(model, self.settings, self.version, prompts, sampling)
+        stop = self.stop_strings(sampling.stop) if sampling.stop else None
+        return generate_with_hf(model, self.settings, self.version, prompts, sampling, stop)
+
+    def stop_strings(self, strings: tuple[str, ...]) -> Callable[[], StopStrings]:
+        """A fresh `StopStrings` per decode call, over the model's tokenizer (loaded, and each set of strings'
+        candidate tokens found, once)."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
+        if strings not in self.stop_candidates:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self.stop_candidates[strings] = StopStrings.candidates_of(self.tokenizer, strings, vocab)
+        return lambda: StopStrings(self.tokenizer, strings, self.stop_candidates[strings])
 
     def apply(self, update: Update, *, shared: bool = False) -> SyncStats:
         """Install `update`, by its form (`shared`: its tensors are the trainer's own)."""
@@ -150,9 +165,15 @@ def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def generate_with_hf(
-    model, settings: HFSettings, version: int, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    model,
+    settings: HFSettings,
+    version: int,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams,
+    stop_strings: Callable[[], StopStrings] | None = None,
 ) -> list[Completion]:
-    """`sampling.n` responses per prompt, batched, seeded."""
+    """`sampling.n` responses per prompt, batched, seeded (a response ends at `eos`, or at a stop string where
+    `stop_strings` makes the decode calls' `StopStrings`)."""
     eos, pad, device, n = settings.eos, settings.pad, settings.device, sampling.n
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     completions = []
@@ -162,11 +183,15 @@ def generate_with_hf(
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        stop = stop_strings() if stop_strings is not None else None
         tokens, logp = decode(model, ids, mask, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                              top_p=sampling.top_p, eos=eos, pad=pad, generator=generator)  # fmt: skip
+                              top_p=sampling.top_p, eos=eos, pad=pad, generator=generator, stop=stop)  # fmt: skip
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
-            finished = eos in row_tokens
-            length = row_tokens.index(eos) + 1 if finished else len(row_tokens)
+            finished = eos in row_tokens or (stop is not None and row in stop.ends)
+            if stop is not None and row in stop.ends:
+                length = stop.ends[row]
+            else:
+                length = row_tokens.index(eos) + 1 if finished else len(row_tokens)
             completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
                                           finished, version))  # fmt: skip
     return completions

@@ -118,11 +118,13 @@ def start_llm(settings: VllmSettings, **extra):
 
 
 def sampling_args(sampling: SamplingParams) -> dict:
-    """Keyword arguments of `vllm.SamplingParams`: the sampled token's log-prob at each step, token ids only."""
+    """Keyword arguments of `vllm.SamplingParams`: the sampled token's log-prob at each step, token ids only (text
+    too where stop strings need it, the string kept in the response)."""
     greedy = sampling.temperature == 0
+    stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}
     return {"n": sampling.n, "temperature": 0.0 if greedy else sampling.temperature,
             "top_p": 1.0 if greedy else sampling.top_p, "max_tokens": sampling.max_tokens, "seed": sampling.seed,
-            "logprobs": 0, "detokenize": False}  # fmt: skip
+            "logprobs": 0, "detokenize": bool(sampling.stop), **stop}  # fmt: skip
 
 
 def to_completions(outputs: Sequence, version: int) -> list[Completion]:
@@ -185,6 +187,9 @@ class VllmServing:
         if self.refusal:
             raise EngineError(f"the vLLM engine refuses to generate until a version is applied whole: {self.refusal}")
         params = vllm.SamplingParams(**sampling_args(sampling))
+        if sampling.seed_per_prompt:
+            params = [vllm.SamplingParams(**sampling_args(dataclasses.replace(sampling, seed=sampling.seed + i)))
+                      for i in range(len(prompts))]  # fmt: skip
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
         return to_completions(outputs, self.version)

@@ -1,0 +1,134 @@
+"""Produce the embedded calculator model (`task=calculator`): a small Qwen2-style model pre-trained on conversations
+in which it calls the `mul` tool only `--tool-share` of the time and otherwise guesses the product — so that it has
+learnt to call and to copy, but rarely chooses to: RL with the environment has the choice to teach.
+
+    uv run python packages/trainer/scripts/pretrain_calculator.py [--tool-share 0.2] [--steps 1500] [--out DIR]
+
+The conversations are laid out by lorarl's own `ToolEnvironment`, so pre-training sees exactly the token layout
+RL samples (the unsampled template tokens get no loss there either). Deterministic for a given seed and machine.
+"""
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lorarl.trainer import calculator_task as task
+from lorarl.trainer.data import Example
+from lorarl.trainer.engines import GREEDY
+from lorarl.trainer.engines.hf import HFSettings, generate_with_hf
+from lorarl.trainer.envs.base import Action, EnvSetup
+from lorarl.trainer.envs.episodes import EpisodeRunner
+from lorarl.trainer.envs.tools import Tool, ToolEnvironment
+from lorarl.trainer.schema import EnvSection
+
+SECTION = EnvSection(name="tools", tools=["lorarl.trainer.calculator_task:mul"], tool_format="compact", max_turns=3,
+                     max_tokens=40)  # fmt: skip
+
+
+def conversation(tokenizer, row: dict, use_tool: bool) -> tuple[list[int], list[bool]]:
+    """The tokens of one episode answering `row` (calling the tool, or answering at once) and which are the model's."""
+    env = ToolEnvironment(EnvSetup(tokenizer, SECTION, None, (Tool.from_function(task.mul),)))
+    tokens = list(env.reset(Example(row["prompt"], row["answer"], ())).tokens)
+    mask = [False] * len(tokens)
+    a, b = row["prompt"].split("*")
+    texts = ([f"<call>mul {a} {b}</call>"] if use_tool else []) + [row["answer"] + "<eos>"]
+    for text in texts:
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        step = env.step(Action(ids, text, text.endswith("<eos>"), not text.endswith("<eos>")))
+        tokens += ids
+        mask += [True] * len(ids)
+        if not step.done:
+            appended = step.observation.tokens[len(tokens) :]
+            tokens += appended
+            mask += [False] * len(appended)
+    return tokens, mask
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows: list[dict]) -> dict:
+    """Greedy episodes with the tool environment: accuracy, and the share that called the tool."""
+    runner = EpisodeRunner(SECTION, tokenizer, eos=tokenizer.eos_token_id)
+    settings = HFSettings("", torch.float32, "cpu", tokenizer.eos_token_id, tokenizer.pad_token_id, 512)
+    examples = [Example(r["prompt"], r["answer"], ()) for r in rows]
+    episodes = runner.start(examples, 1)
+
+    def generate(prompts, sampling):
+        stop = _stop(tokenizer, sampling.stop, model) if sampling.stop else None
+        return generate_with_hf(model, settings, 0, prompts, sampling, stop)
+
+    runner.play(generate, episodes, replace(GREEDY, max_tokens=12))
+    answers = [tokenizer.decode(list(e.actions[-1].tokens), skip_special_tokens=True) for e in episodes]
+    correct = [a.strip() == r["answer"] for a, r in zip(answers, rows, strict=True)]
+    called = [e.metrics.get("tool_calls", 0) > 0 for e in episodes]
+    return {
+        "accuracy": sum(correct) / len(rows),
+        "called": sum(called) / len(rows),
+        "accuracy_when_called": sum(c and k for c, k in zip(correct, called, strict=True)) / max(1, sum(called)),
+    }
+
+
+def _stop(tokenizer, strings, model):
+    from lorarl.trainer.decode import StopStrings
+
+    candidates = StopStrings.candidates_of(tokenizer, strings, model.config.vocab_size)
+    return lambda: StopStrings(tokenizer, strings, candidates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tool-share", type=float, default=0.2, help="share of pre-training conversations that call")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=task.MODEL_DIR)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    tokenizer = task.build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(task.VOCAB), hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=10000.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    pretrain = task.problems(100_000, validation=False, seed=args.seed)
+    rl_train = task.problems(20_000, validation=False, seed=args.seed + 1)
+    validation = task.problems(500, validation=True, seed=args.seed + 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
+    batch_size, started = 128, time.time()
+    for step in range(1, args.steps + 1):
+        rows = pretrain[(step * batch_size) % len(pretrain) :][:batch_size]
+        laid_out = [conversation(tokenizer, r, rng.random() < args.tool_share) for r in rows]
+        width = max(len(t) for t, _ in laid_out)
+        ids = torch.tensor([t + [tokenizer.pad_token_id] * (width - len(t)) for t, _ in laid_out])
+        labels = torch.tensor([[x if m else -100 for x, m in zip(t, mask, strict=True)] + [-100] * (width - len(t))
+                               for t, mask in laid_out])  # fmt: skip
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3 * min(1.0, step / 100) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        model.train()
+        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 250 == 0 or step == args.steps:
+            model.eval()
+            print(json.dumps({"step": step, "loss": round(loss.item(), 4), **greedy_accuracy(model, tokenizer,
+                              validation[:200]), "seconds": round(time.time() - started, 1)}), flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(args.out, safe_serialization=True)
+    tokenizer.save_pretrained(args.out)
+    for name, rows in (("train.jsonl", rl_train), ("val.jsonl", validation)):
+        (args.out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"saved to {args.out}: {greedy_accuracy(model, tokenizer, validation)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Multi-turn environments: the model acts, the environment answers, over several turns — trained on exactly the
+tokens the engine sampled (`base.py`: the token-level protocol; `chat.py`: the message level, through the tokenizer's
+chat template; `tools.py`: tools from Python functions; `episodes.py`: running a batch of episodes on the engine and
+turning them into training samples).
+
+The choices of `env.name`: `none` (single-turn: one response per prompt), `tools` (the model calls `env.tools`), or a
+plugin's `Environment` subclass by import path (`env.name=my.py:MyEnv`), registered with `@register_env("name",
+settings=...)` to give it settings of its own (`env.<name>.*`) — or left undecorated.
+"""
+
+from dataclasses import dataclass
+
+from lorarl.trainer.registry import Plugin, PluginError, Registry, import_object
+
+SINGLE_TURN = "none"
+
+
+@dataclass(frozen=True)
+class Env(Plugin):
+    """A registered environment: `target` is its `Environment` subclass, or (built-ins) its import path, imported when
+    a run starts (the configuration reads this registry without importing torch)."""
+
+    about: str = ""
+
+    @property
+    def environment(self) -> type:
+        from lorarl.trainer.envs.base import Environment
+
+        found = import_object(self.target) if isinstance(self.target, str) else self.target
+        if not (isinstance(found, type) and issubclass(found, Environment)):
+            raise PluginError(f"env.name={self.origin!r} is a {type(found).__name__}, expected a subclass of "
+                              "lorarl.trainer.envs.Environment (or ChatEnvironment)")  # fmt: skip
+        return found
+
+    @property
+    def summary(self) -> str:
+        return self.about or super().summary
+
+
+class Environments(Registry[Env]):
+    """The environment registry; an import path may also name an undecorated `Environment` subclass."""
+
+    def _load(self, spec: str) -> Env:
+        try:
+            return super()._load(spec)
+        except PluginError:
+            found = import_object(spec)
+            if not isinstance(found, type):
+                raise PluginError(f"{spec} is a {type(found).__name__}, expected a subclass of "
+                                  "lorarl.trainer.envs.Environment (or ChatEnvironment)") from None  # fmt: skip
+            entry = Env(name=spec, target=found)
+            entry.environment  # noqa: B018 (checks the class)
+            return entry
+
+
+ENVIRONMENTS = Environments("environment", Env, keywords={SINGLE_TURN: "single-turn: one response per prompt"})
+register_env = ENVIRONMENTS.register
+register_env("tools", about="the model answers the prompt calling env.tools (results fed back as tool messages)")(
+    "lorarl.trainer.envs.tools:ToolEnvironment"
+)

@@ -1,0 +1,155 @@
+"""The message-level layer: environments that think in chat messages, rendered through the tokenizer's own chat
+template — without ever re-tokenizing what the engine sampled.
+
+A new message is tokenized as the difference between two renderings of a fixed reference conversation (a user turn
+and an assistant turn), with and without the new messages after it: exactly what the template puts after an
+assistant turn for those messages, whatever came before. What the template closes an assistant turn with, and the
+engine did not sample (the `\\n` after `<|im_end|>`, the whole `<|im_end|>\\n` after a turn stopped at the end of a
+tool call), is prepended. The context therefore only ever grows by appending, and every appended token gets mask 0.
+A template that renders a reference conversation's continuation as something other than an extension of it is refused
+by name: the conversation could not be continued without rewriting what the engine saw.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lorarl.trainer.data import prompt_messages
+from lorarl.trainer.envs.base import Action, Environment, Observation, Step
+from lorarl.trainer.errors import TrainerError
+
+MARK = "lorarl-reference-turn"  # the reference conversation's assistant content: found again in its rendering
+REFERENCE = ({"role": "user", "content": "lorarl-reference-question"}, {"role": "assistant", "content": MARK})
+
+
+class TemplateError(TrainerError):
+    """The chat template cannot be continued by appending (or cannot render what was asked)."""
+
+
+class ChatTemplate:
+    """A tokenizer's chat template, rendering a conversation's first prompt and then only what each turn appends.
+    `tools`: JSON schemas offered through the template (`tools=`), in the first prompt."""
+
+    def __init__(self, tokenizer, tools: Sequence[dict] = ()):
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError("a chat environment needs a tokenizer with a chat template (the policy's has none)")
+        self.tokenizer, self.tools = tokenizer, list(tools) or None
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id])
+        rendered = self.render(list(REFERENCE), generation_prompt=False)
+        if MARK not in rendered:
+            raise TemplateError("the chat template does not render an assistant message's content")
+        self.closing = rendered[rendered.rindex(MARK) + len(MARK) :]  # what ends an assistant turn
+
+    def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)  # fmt: skip
+        except Exception as e:  # jinja's own errors (a template's raise_exception, an undefined key)
+            roles = [m.get("role") for m in messages]
+            raise TemplateError(f"the chat template cannot render messages with roles {roles}: {e}") from None
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt(self, messages: list[dict]) -> tuple[int, ...]:
+        """The first observation: `messages` rendered with the generation prompt."""
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def continuation(self, action: Action, messages: list[dict]) -> tuple[int, ...]:
+        """The tokens that follow the sampled `action` when `messages` answer it: the rest of the assistant turn that
+        the engine did not sample, `messages`, and the next generation prompt."""
+        return self.encode(self.unsampled_closing(action) + self.appended(messages))
+
+    def unsampled_closing(self, action: Action) -> str:
+        """What the template closes the assistant turn with after the action: after its end-of-sequence token when
+        the engine sampled one, all of it when the turn stopped on a stop string."""
+        if action.eos and self.eos_text in self.closing:
+            return self.closing[self.closing.index(self.eos_text) + len(self.eos_text) :]
+        return self.closing
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 (one template per run; tool messages repeat)
+    def _appended(self, key: str) -> str:
+        messages = json.loads(key)
+        before = self.render(list(REFERENCE), generation_prompt=False)
+        after = self.render([*REFERENCE, *messages], generation_prompt=True)
+        if not after.startswith(before):
+            roles = [m.get("role") for m in messages]
+            raise TemplateError(f"the chat template rewrites the conversation when messages with roles {roles} "
+                                "follow an assistant turn (its rendering is not an extension of the one before): "
+                                "the conversation cannot be continued by appending")  # fmt: skip
+        return after[len(before) :]
+
+    def appended(self, messages: list[dict]) -> str:
+        """The text the template appends after an assistant turn for `messages`, then the generation prompt."""
+        return self._appended(json.dumps(messages))
+
+
+@functools.lru_cache(maxsize=8)
+def chat_template(tokenizer, tools_key: str) -> ChatTemplate:
+    """One `ChatTemplate` per tokenizer and tool set (its reference renderings are computed once)."""
+    return ChatTemplate(tokenizer, json.loads(tools_key))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A chat environment's answer to an assistant message: the messages it appends (tool results, feedback), the
+    turn's reward, and whether (and why) the episode ends."""
+
+    messages: list[dict] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    stop_reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class ChatEnvironment(Environment):
+    """An environment at the message level: implement `respond` (and `start` for first messages other than the data
+    row's prompt). The assistant messages it sees are parsed from the sampled text (content, and tool calls in the
+    run's `env.tool_format` when it has tools); the token level — the template's prefix, the unsampled closing of each
+    turn, mask 0 on everything appended — is done here."""
+
+    stop: tuple[str, ...] = ()  # strings that end an assistant turn besides end-of-sequence
+
+    def start(self, example) -> list[dict]:
+        """The conversation's first messages: the data row's prompt (text or messages) and `data.system_prompt`."""
+        return prompt_messages(example.prompt, self.setup.system_prompt, "a data row")
+
+    def respond(self, message: dict) -> Reply:
+        """The answer to one assistant message (`{"role": "assistant", "content", "tool_calls"?, "parse_error"?}`)."""
+        raise NotImplementedError
+
+    def parse(self, action: Action) -> dict:
+        """The assistant message of a sampled action: its text without the end-of-sequence token."""
+        text = action.text
+        eos_text = self.template.eos_text
+        if action.eos and text.endswith(eos_text):
+            text = text[: -len(eos_text)]
+        return {"role": "assistant", "content": text}
+
+    @property
+    def template(self) -> ChatTemplate:
+        schemas = [tool.schema for tool in self.tools]
+        return chat_template(self.tokenizer, json.dumps(schemas))
+
+    def reset(self, example) -> Observation:
+        self.messages = self.start(example)
+        self.context = self.template.prompt(self.messages)
+        return Observation(self.context, self.stop)
+
+    def step(self, action: Action) -> Step:
+        message = self.parse(action)
+        self.messages.append({k: v for k, v in message.items() if k != "parse_error"})
+        reply = self.respond(message)
+        if not isinstance(reply, Reply):
+            raise TypeError(f"{type(self).__name__}.respond returned {type(reply).__name__}, expected a Reply")
+        if reply.done:
+            return Step(reply.reward, True, stop_reason=reply.stop_reason or "done", metrics=reply.metrics)
+        if not reply.messages or not all(isinstance(m, Mapping) and "role" in m for m in reply.messages):
+            raise TypeError(f"{type(self).__name__}.respond: a reply that goes on needs messages with a role, got "
+                            f"{reply.messages!r}")  # fmt: skip
+        self.messages += reply.messages
+        self.context = self.context + action.tokens + self.template.continuation(action, reply.messages)
+        return Step(reply.reward, False, Observation(self.context, self.stop), metrics=reply.metrics)

@@ -1,0 +1,201 @@
+"""A batch of episodes played on the rollout engine, turn by turn, and what they leave to train on.
+
+Each turn, every live episode's context goes to the engine in one call (never one episode at a time), each with a
+seed of its own; each action is cut to what is left of the episode's token budget (`env.max_tokens`) and handed to its
+environment. What the episode keeps is its `segments`: a segment is one training sequence — the context it starts
+from, then each token after it, sampled (mask 1, with the engine's log-prob) or appended by the environment (mask 0,
+log-prob 0). A next observation that does not extend the context by the action starts a new segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from lorarl.trainer.envs import ENVIRONMENTS
+from lorarl.trainer.envs.base import Action, Environment, EnvSetup, Observation, Step
+from lorarl.trainer.envs.tools import load_tools
+from lorarl.trainer.errors import TrainerError
+
+TRUNCATIONS = ("length", "budget", "max_turns")  # stop reasons of an episode cut short (not finished)
+
+
+class EnvError(TrainerError):
+    """An environment raised (with `env.on_error=raise`), or answered with something other than the protocol's."""
+
+
+@dataclass
+class Segment:
+    """One training sequence of an episode: `prompt`, then `tokens` with their `mask` (sampled) and `logprobs`."""
+
+    prompt: tuple[int, ...]
+    tokens: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add(self, tokens, logprobs=None) -> None:
+        """Append sampled `tokens` with the engine's `logprobs`, or (without) tokens the environment appended."""
+        self.tokens += tokens
+        self.mask += [logprobs is not None] * len(tokens)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+
+
+@dataclass
+class Episode:
+    """One episode: its data row (`index` into the batch's examples), environment, context, and record."""
+
+    index: int
+    example: object
+    env: Environment
+    prompt: tuple[int, ...]  # the first observation
+    context: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    segments: list[Segment] = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # each turn's
+    versions: list[int] = field(default_factory=list)  # the weights of each action
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: str = ""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stop_reason)
+
+    @property
+    def truncated(self) -> bool:
+        return self.stop_reason in TRUNCATIONS
+
+    @property
+    def spent(self) -> int:
+        """Tokens after the first observation: what counts against `env.max_tokens`."""
+        return len(self.context) - len(self.prompt)
+
+    @property
+    def action_tokens(self) -> int:
+        return sum(len(a.tokens) for a in self.actions)
+
+    def count(self, metrics: dict) -> None:
+        for key, value in metrics.items():
+            self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+
+
+class EpisodeRunner:
+    """The run's environment (`env.name`), its setup (tools, settings), and the turn loop."""
+
+    def __init__(self, section, tokenizer, *, eos: int, system_prompt: str | None = None):
+        entry = ENVIRONMENTS[section.name]
+        self.section, self.tokenizer, self.eos = section, tokenizer, eos
+        self.environment = entry.environment
+        self.setup = EnvSetup(tokenizer, section, entry.settings_in(section), load_tools(section.tools), system_prompt)
+
+    def start(self, examples: list, n: int) -> list[Episode]:
+        """`n` episodes per example, reset."""
+        episodes = []
+        for index, example in enumerate(examples):
+            for _ in range(n):
+                episode = Episode(index, example, self.environment(self.setup), ())
+                observation = self._guarded(episode, lambda e=episode: e.env.reset(e.example), "reset")
+                if observation is not None:
+                    observation = self._checked(episode, observation, Observation, "reset")
+                    episode.prompt = episode.context = tuple(observation.tokens)
+                    episode.stop = tuple(observation.stop)
+                    episode.segments.append(Segment(episode.prompt))
+                episodes.append(episode)
+        return episodes
+
+    def play(self, generate: Callable, episodes: list[Episode], sampling) -> None:
+        """Every episode to its end: each turn, one `generate(contexts, sampling)` call for all live episodes."""
+        s = self.section
+        for turn in range(s.max_turns):
+            live = [e for e in episodes if not e.done]
+            if not live:
+                return
+            room = [s.max_tokens - e.spent for e in live]
+            stops = tuple(sorted({text for e in live for text in e.stop}))
+            params = replace(sampling, n=1, max_tokens=max(1, min(sampling.max_tokens, max(room))), stop=stops,
+                             seed=sampling.seed + 7919 * turn, seed_per_prompt=True)  # fmt: skip
+            completions = generate([list(e.context) for e in live], params)
+            for episode, completion, left in zip(live, completions, room, strict=True):
+                self._act(episode, completion, left, last_turn=turn == s.max_turns - 1)
+
+    def _act(self, episode: Episode, completion, left: int, *, last_turn: bool) -> None:
+        """One action into its episode, and the environment's answer."""
+        tokens, logprobs = completion.token_ids[:left], completion.logprobs[:left]
+        cut = len(tokens) < len(completion.token_ids)
+        finished = completion.finished and not cut
+        eos = finished and tokens[-1] == self.eos
+        action = Action(tuple(tokens), self.tokenizer.decode(list(tokens)), eos, finished and not eos)
+        episode.segments[-1].add(tokens, logprobs)
+        episode.actions.append(action)
+        episode.versions.append(completion.version)
+        episode.context = episode.context + action.tokens
+        if not finished:
+            episode.stop_reason = "budget" if cut or left <= len(tokens) else "length"
+            return
+        step = self._guarded(episode, lambda: episode.env.step(action), "step")
+        if step is None:
+            return
+        step = self._checked(episode, step, Step, "step")
+        episode.rewards.append(float(step.reward))
+        episode.count(step.metrics)
+        if step.done:
+            episode.stop_reason = step.stop_reason or "done"
+            return
+        if last_turn:
+            episode.stop_reason = "max_turns"
+            return
+        observation = self._checked(episode, step.observation, Observation, "step's observation")
+        following = tuple(observation.tokens)
+        if len(following) - len(episode.prompt) >= self.section.max_tokens:
+            episode.stop_reason = "budget"  # no room left for another action
+            return
+        if following[: len(episode.context)] == episode.context:
+            episode.segments[-1].add(following[len(episode.context) :])
+        else:  # the environment rewrote the context: what follows trains as a sequence of its own
+            episode.segments.append(Segment(following))
+        episode.context, episode.stop = following, tuple(observation.stop)
+
+    def _guarded(self, episode: Episode, call: Callable, what: str):
+        """`call()`; if the environment raises: stop the run naming the row, or end the episode with
+        `env.error_score` (`env.on_error=score`)."""
+        try:
+            return call()
+        except Exception as e:
+            if self.section.on_error == "raise":
+                where = episode.example.where or f"prompt {str(episode.example.prompt)[:80]!r}"
+                raise EnvError(f"the environment ({self.section.name}) raised in {what} on the episode of {where}: "
+                               f"{type(e).__name__}: {e} (env.on_error=score scores such episodes "
+                               "instead)") from e  # fmt: skip
+            episode.stop_reason = "error"
+            episode.rewards.append(self.section.error_score)
+            episode.count({"errors": 1})
+            if not episode.segments:
+                episode.segments.append(Segment(tuple(episode.example.prompt_ids)))
+            return None
+
+    def _checked(self, episode: Episode, value, expected: type, what: str):
+        if not isinstance(value, expected):
+            raise EnvError(f"the environment ({self.section.name}) {what} returned {type(value).__name__}, expected "
+                           f"{expected.__name__} (lorarl.trainer.envs.base), on the episode of "
+                           f"{episode.example.where or 'a data row'}")  # fmt: skip
+        return value
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """What the episodes did: turns, tokens, why they ended, the environments' own counts, each turn's reward."""
+    count = len(episodes)
+    metrics = {
+        "env/turns": sum(len(e.actions) for e in episodes) / count,
+        "env/action_tokens": sum(e.action_tokens for e in episodes) / count,
+        "env/episode_tokens": sum(e.spent for e in episodes) / count,
+    }
+    for reason in sorted({e.stop_reason for e in episodes}):
+        metrics[f"env/stop/{reason}"] = sum(e.stop_reason == reason for e in episodes) / count
+    for key in sorted({k for e in episodes for k in e.metrics}):
+        metrics[f"env/{key}"] = sum(e.metrics.get(key, 0.0) for e in episodes) / count
+    for turn in range(max(len(e.rewards) for e in episodes)):
+        rewards = [e.rewards[turn] for e in episodes if len(e.rewards) > turn]
+        metrics[f"env/turn_reward/{turn + 1}"] = sum(rewards) / len(rewards)
+    if any(len(e.segments) > 1 for e in episodes):
+        metrics["env/samples_per_episode"] = sum(len(e.segments) for e in episodes) / count
+    return metrics

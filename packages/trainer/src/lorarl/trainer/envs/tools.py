@@ -1,0 +1,188 @@
+"""Tools from plain typed Python functions, the formats tool calls are written in, and the environment that runs
+them.
+
+A tool is a function with type hints and a Google-style docstring (`Args:`): its JSON schema comes from transformers'
+`get_json_schema`, as TRL's `tools=` does, and reaches the model through the chat template's `tools=`. The model's
+calls are parsed from its text in the run's format — `hermes` (`<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>`, Qwen-family templates) or `compact` (`<call>name arg1 arg2</call>`, short enough for a small model to
+learn) — run, and their results (or errors) fed back as `tool` messages. A turn ends at the end of a tool call (the
+format's stop string) or at end-of-sequence; an answer without a call ends the episode.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lorarl.trainer.envs.base import Action
+from lorarl.trainer.envs.chat import ChatEnvironment, Reply
+from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.registry import import_object
+
+JSON_TYPES = {"integer": int, "number": float, "string": str, "boolean": lambda text: text.lower() == "true"}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable tool: its name, function and JSON schema (`{"type": "function", "function": {...}}`)."""
+
+    name: str
+    fn: Callable
+    schema: dict
+
+    @classmethod
+    def from_function(cls, fn: Callable, origin: str = "") -> Tool:
+        from transformers.utils import get_json_schema
+
+        try:
+            schema = get_json_schema(fn)
+        except Exception as e:
+            raise TrainerError(f"env.tools: {origin or fn!r} is not a usable tool (a function with type hints and a "
+                               f"docstring whose Args: describe each argument): {e}") from None  # fmt: skip
+        return cls(schema["function"]["name"], fn, schema)
+
+    @property
+    def parameters(self) -> dict:
+        return self.schema["function"]["parameters"].get("properties", {})
+
+    def __call__(self, arguments: dict) -> str:
+        result = self.fn(**arguments)
+        return result if isinstance(result, str) else json.dumps(result)
+
+
+def load_tools(specs: list[str]) -> tuple[Tool, ...]:
+    """`env.tools`: functions by import path (`package.module:fn` or `path/to/file.py:fn`)."""
+    tools = []
+    for spec in specs:
+        try:
+            fn = import_object(spec)
+        except Exception as e:
+            raise TrainerError(f"env.tools: cannot load {spec!r}: {e}") from None
+        if not callable(fn):
+            raise TrainerError(f"env.tools: {spec!r} is a {type(fn).__name__}, expected a function")
+        tools.append(Tool.from_function(fn, spec))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise TrainerError(f"env.tools: two tools share a name: {names}")
+    return tuple(tools)
+
+
+class ParseError(ValueError):
+    """A tool call the format cannot read."""
+
+
+def call(name: str, arguments: dict) -> dict:
+    """A tool call as chat templates take it (OpenAI's shape, arguments as a mapping)."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class Hermes:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: the format of Qwen-family (Hermes) templates."""
+
+    stop = ("</tool_call>",)
+    pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str, tools: dict[str, Tool]) -> tuple[str, list[dict]]:
+        calls = []
+        for body in self.pattern.findall(text):
+            try:
+                data = json.loads(body.strip())
+            except json.JSONDecodeError as e:
+                raise ParseError(f"a tool call that is not JSON: {e}") from None
+            if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+                raise ParseError(f'a tool call needs {{"name": ..., "arguments": {{...}}}}, got {body.strip()!r}')
+            arguments = data.get("arguments", {})
+            if isinstance(arguments, str):  # some models write the arguments as a JSON string
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError as e:
+                    raise ParseError(f"tool call arguments that are not JSON: {e}") from None
+            if not isinstance(arguments, dict):
+                raise ParseError(f"tool call arguments must be an object, got {arguments!r}")
+            calls.append(call(data["name"], arguments))
+        return self.pattern.split(text, maxsplit=1)[0].strip(), calls
+
+
+class Compact:
+    """`<call>name arg1 arg2</call>`: positional arguments in the tool's parameter order, converted by their JSON
+    types — a format a small model learns in a few tokens."""
+
+    stop = ("</call>",)
+    pattern = re.compile(r"<call>(.*?)(?:</call>|$)", re.DOTALL)
+
+    def parse(self, text: str, tools: dict[str, Tool]) -> tuple[str, list[dict]]:
+        calls = []
+        for body in self.pattern.findall(text):
+            name, *values = body.split()
+            if name not in tools:
+                raise ParseError(f"no tool named {name!r} (tools: {sorted(tools)})")
+            parameters = tools[name].parameters
+            if len(values) != len(parameters):
+                raise ParseError(f"{name} takes {len(parameters)} arguments ({', '.join(parameters)}), got "
+                                 f"{len(values)}")  # fmt: skip
+            arguments = {}
+            for (key, spec), value in zip(parameters.items(), values, strict=True):
+                try:
+                    arguments[key] = JSON_TYPES.get(spec.get("type"), str)(value)
+                except ValueError:
+                    raise ParseError(f"{name}: {key}={value!r} is not a {spec.get('type')}") from None
+            calls.append(call(name, arguments))
+        return self.pattern.split(text, maxsplit=1)[0].strip(), calls
+
+
+TOOL_FORMATS = {"hermes": Hermes(), "compact": Compact()}
+
+
+class ToolEnvironment(ChatEnvironment):
+    """`env.name=tools`: the model answers the data row's prompt, calling the run's tools (`env.tools`) on the way.
+    Each call's result — or its error, counted in `env/tool_errors` — comes back as a `tool` message, cut to
+    `env.max_tool_tokens`; a turn without a call is the answer, and ends the episode (the reward functions score it).
+    A call the format cannot read ends the episode (`parse_error`), or with `env.on_parse_error=feedback` goes back
+    to the model as the tool's message."""
+
+    @property
+    def format(self):
+        return TOOL_FORMATS[self.setup.section.tool_format]
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.format.stop
+
+    def parse(self, action: Action) -> dict:
+        message = super().parse(action)
+        try:
+            content, calls = self.format.parse(message["content"], {t.name: t for t in self.tools})
+        except ParseError as e:
+            return {**message, "parse_error": str(e)}
+        return {**message, "content": content, "tool_calls": calls} if calls else message
+
+    def respond(self, message: dict) -> Reply:
+        if "parse_error" in message:
+            if self.setup.section.on_parse_error == "stop":
+                return Reply(done=True, stop_reason="parse_error", metrics={"parse_errors": 1})
+            return Reply([self.tool_message(f"error: {message['parse_error']}")], metrics={"parse_errors": 1})
+        calls = message.get("tool_calls")
+        if not calls:
+            return Reply(done=True, stop_reason="answer")
+        tools = {t.name: t for t in self.tools}
+        replies, errors = [], 0
+        for c in calls:
+            name, arguments = c["function"]["name"], c["function"]["arguments"]
+            try:
+                if name not in tools:
+                    raise LookupError(f"no tool named {name!r} (tools: {sorted(tools)})")
+                result = tools[name](arguments)
+            except Exception as e:  # the tool's own failure goes back to the model
+                result, errors = f"error: {type(e).__name__}: {e}", errors + 1
+            replies.append(self.tool_message(result, name))
+        return Reply(replies, metrics={"tool_calls": len(calls), "tool_errors": errors})
+
+    def tool_message(self, content: str, name: str | None = None) -> dict:
+        """A `tool` message, its content cut to `env.max_tool_tokens` tokens."""
+        limit = self.setup.section.max_tool_tokens
+        ids = self.tokenizer.encode(content, add_special_tokens=False)
+        if limit and len(ids) > limit:
+            content = self.tokenizer.decode(ids[:limit])
+        return {"role": "tool", "content": content, **({"name": name} if name else {})}
