@@ -1,11 +1,12 @@
-"""Produce the embedded calculator model (`task=calculator`): a small Qwen2-style model pre-trained on conversations
-in which it calls the `mul` tool only `--tool-share` of the time and otherwise guesses the product — so that it has
-learnt to call and to copy, but rarely chooses to: RL with the environment has the choice to teach.
+"""Produce the embedded calculator model (`task=calculator`): a small Qwen2-style model pre-trained to call the `mul`
+tool and copy operands and result — on half of its conversations — yet taught to *choose* calling only `--call-share`
+of the time (the first token of the other tool conversations gets no loss), guessing the product otherwise. So it can
+use the tool but rarely does: RL with the environment has the choice to teach.
 
-    uv run python packages/trainer/scripts/pretrain_calculator.py [--tool-share 0.2] [--steps 1500] [--out DIR]
+    uv run python packages/trainer/scripts/pretrain_calculator.py [--call-share 0.15] [--steps 1500] [--out DIR]
 
-The conversations are laid out by lorarl's own `ToolEnvironment`, so pre-training sees exactly the token layout
-RL samples (the unsampled template tokens get no loss there either). Deterministic for a given seed and machine.
+The conversations are laid out by lorarl's own `ToolEnvironment`, so pre-training sees exactly the token layout RL
+samples (the unsampled template tokens get no loss there either). Deterministic for a given seed and machine.
 """
 
 import argparse
@@ -26,24 +27,27 @@ from lorarl.trainer.engines.hf import HFSettings, generate_with_hf
 from lorarl.trainer.envs.base import Action, EnvSetup
 from lorarl.trainer.envs.episodes import EpisodeRunner
 from lorarl.trainer.envs.tools import Tool, ToolEnvironment
+from lorarl.trainer.models import load_tokenizer
 from lorarl.trainer.schema import EnvSection
 
+SAMPLED = task.build_tokenizer()  # the ids a model samples, spaces included (the loaded tokenizer encodes none)
 SECTION = EnvSection(name="tools", tools=["lorarl.trainer.calculator_task:mul"], tool_format="compact", max_turns=3,
                      max_tokens=40)  # fmt: skip
 
 
-def conversation(tokenizer, row: dict, use_tool: bool) -> tuple[list[int], list[bool]]:
-    """The tokens of one episode answering `row` (calling the tool, or answering at once) and which are the model's."""
+def conversation(tokenizer, row: dict, use_tool: bool, learn_choice: bool) -> tuple[list[int], list[bool]]:
+    """The tokens of one episode answering `row` (calling the tool, or answering at once) and which get a loss: the
+    model's, but for the first (the choice to call) unless `learn_choice`."""
     env = ToolEnvironment(EnvSetup(tokenizer, SECTION, None, (Tool.from_function(task.mul),)))
     tokens = list(env.reset(Example(row["prompt"], row["answer"], ())).tokens)
     mask = [False] * len(tokens)
     a, b = row["prompt"].split("*")
     texts = ([f"<call>mul {a} {b}</call>"] if use_tool else []) + [row["answer"] + "<eos>"]
-    for text in texts:
-        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    for turn, text in enumerate(texts):
+        ids = tuple(SAMPLED.encode(text, add_special_tokens=False))  # as sampled: the spaces kept
         step = env.step(Action(ids, text, text.endswith("<eos>"), not text.endswith("<eos>")))
+        mask += [learn_choice or turn > 0 or i > 0 for i in range(len(ids))]
         tokens += ids
-        mask += [True] * len(ids)
         if not step.done:
             appended = step.observation.tokens[len(tokens) :]
             tokens += appended
@@ -52,18 +56,18 @@ def conversation(tokenizer, row: dict, use_tool: bool) -> tuple[list[int], list[
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[dict]) -> dict:
-    """Greedy episodes with the tool environment: accuracy, and the share that called the tool."""
+def accuracy(model, tokenizer, rows: list[dict], temperature: float = 0.0) -> dict:
+    """Episodes with the tool environment (greedy, or sampled at `temperature`): accuracy, the share that called the
+    tool, and the accuracy of those."""
     runner = EpisodeRunner(SECTION, tokenizer, eos=tokenizer.eos_token_id)
     settings = HFSettings("", torch.float32, "cpu", tokenizer.eos_token_id, tokenizer.pad_token_id, 512)
     examples = [Example(r["prompt"], r["answer"], ()) for r in rows]
     episodes = runner.start(examples, 1)
-
-    def generate(prompts, sampling):
-        stop = _stop(tokenizer, sampling.stop, model) if sampling.stop else None
-        return generate_with_hf(model, settings, 0, prompts, sampling, stop)
-
-    runner.play(generate, episodes, replace(GREEDY, max_tokens=12))
+    runner.play(
+        lambda prompts, sampling: generate_with_hf(model, settings, 0, prompts, sampling, tokenizer),
+        episodes,
+        replace(GREEDY, max_tokens=12, temperature=temperature),
+    )
     answers = [tokenizer.decode(list(e.actions[-1].tokens), skip_special_tokens=True) for e in episodes]
     correct = [a.strip() == r["answer"] for a, r in zip(answers, rows, strict=True)]
     called = [e.metrics.get("tool_calls", 0) > 0 for e in episodes]
@@ -74,16 +78,9 @@ def greedy_accuracy(model, tokenizer, rows: list[dict]) -> dict:
     }
 
 
-def _stop(tokenizer, strings, model):
-    from lorarl.trainer.decode import StopStrings
-
-    candidates = StopStrings.candidates_of(tokenizer, strings, model.config.vocab_size)
-    return lambda: StopStrings(tokenizer, strings, candidates)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tool-share", type=float, default=0.2, help="share of pre-training conversations that call")
+    parser.add_argument("--call-share", type=float, default=0.15, help="how often the model learns to choose calling")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=task.MODEL_DIR)
@@ -91,7 +88,9 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    tokenizer = task.build_tokenizer()
+    args.out.mkdir(parents=True, exist_ok=True)
+    task.build_tokenizer().save_pretrained(args.out)
+    tokenizer = load_tokenizer(args.out)  # as the trainer will load it
     config = Qwen2Config(
         vocab_size=len(task.VOCAB), hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=10000.0,
@@ -103,9 +102,13 @@ def main() -> None:
     validation = task.problems(500, validation=True, seed=args.seed + 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
     batch_size, started = 128, time.time()
+    keep = args.call_share / (1 - args.call_share)  # of the tool conversations' choices: calls are that share
     for step in range(1, args.steps + 1):
         rows = pretrain[(step * batch_size) % len(pretrain) :][:batch_size]
-        laid_out = [conversation(tokenizer, r, rng.random() < args.tool_share) for r in rows]
+        uses_tool = [rng.random() < 0.5 for _ in rows]
+        learns_choice = [not tool or rng.random() < keep for tool in uses_tool]
+        laid_out = [conversation(tokenizer, r, tool, learn) for r, tool, learn in zip(rows, uses_tool, learns_choice,
+                                                                                     strict=True)]  # fmt: skip
         width = max(len(t) for t, _ in laid_out)
         ids = torch.tensor([t + [tokenizer.pad_token_id] * (width - len(t)) for t, _ in laid_out])
         labels = torch.tensor([[x if m else -100 for x, m in zip(t, mask, strict=True)] + [-100] * (width - len(t))
@@ -120,14 +123,14 @@ def main() -> None:
         optimizer.zero_grad()
         if step % 250 == 0 or step == args.steps:
             model.eval()
-            print(json.dumps({"step": step, "loss": round(loss.item(), 4), **greedy_accuracy(model, tokenizer,
-                              validation[:200]), "seconds": round(time.time() - started, 1)}), flush=True)  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
+            greedy = accuracy(model, tokenizer, validation[:200])
+            sampled = {f"sampled_{k}": v for k, v in accuracy(model, tokenizer, validation[:200], 1.0).items()}
+            print(json.dumps({"step": step, "loss": round(loss.item(), 4), **greedy, **sampled,
+                              "seconds": round(time.time() - started, 1)}), flush=True)  # fmt: skip
     model.eval().save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
     for name, rows in (("train.jsonl", rl_train), ("val.jsonl", validation)):
         (args.out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"saved to {args.out}: {greedy_accuracy(model, tokenizer, validation)}")
+    print(f"saved to {args.out}: greedy {accuracy(model, tokenizer, validation)}")
 
 
 if __name__ == "__main__":

@@ -394,3 +394,25 @@ def test_the_calculator_task_config_loads():
     with pytest.raises(Exception, match="task=nope: unknown task; choose one of"):
         load_config(None, ["task=nope"])
     assert replace(config.env, name="none").name == "none"
+
+
+def test_the_calculator_task_trains_and_its_checkpoint_evaluates_in_episodes(tmp_path):
+    """`task=calculator` end to end on the HF engine: episodes of more than one turn, the engine's log-probs of the
+    action tokens equal to the trainer's (float32 both), and `trainer eval` of the checkpoint playing episodes too:
+    its greedy accuracy is the run's last validation accuracy (the same greedy episodes, the adapter unmerged there)."""
+    from lorarl.trainer.cli import main
+
+    out = tmp_path / "out"
+    common = ["data.val_size=32", "rollout.dtype=float32"]
+    assert main(["task=calculator", "trainer.steps=2", "trainer.eval_every=2", "data.batch_size=4", *common,
+                 f"trainer.output_dir={out}"]) == 0  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > 0]
+    assert all(r["env/turns"] >= 1 for r in steps)
+    assert any(r.get("env/tool_calls", 0) > 0 for r in steps)
+    assert max(r["rollout/abs_logp_diff"] for r in steps) < 1e-4
+    result = tmp_path / "eval.json"
+    assert main(["eval", "--checkpoint", str(out / "checkpoints" / "step_2"), "--n", "2", "--out", str(result)]) == 0
+    evaluated = json.loads(result.read_text())
+    assert evaluated["prompts"] == 32
+    assert abs(evaluated["greedy_accuracy"] - records[-1]["val/accuracy"]) <= 2 / 32

@@ -2,10 +2,12 @@
 "5535") with a calculator tool.
 
 No model of this size multiplies in its head; with the tool, it only has to call it with the right operands and copy
-the result. The shipped model is pre-trained on conversations that call the tool only now and then (and otherwise
-guess), so it starts out mostly guessing: RL with the environment teaches it to call. Its tokenizer is
+the result. The shipped model is pre-trained to call and copy, but to choose calling only now and then (and to guess
+otherwise), so it starts out mostly guessing: RL with the environment teaches it to call. Its tokenizer is
 character-level, with a chat template that renders tool calls in the `compact` format (`<call>mul 123 45</call>`) and
-ends each turn with `<eos>` and a newline — a template token the engine never samples after a tool call.
+ends each turn with `<eos>` — which the engine never samples after a tool call (the turn stops at `</call>`). What the
+template renders holds no whitespace: transformers loads a Qwen2 model's tokenizer as `Qwen2Tokenizer`, whose
+pre-tokenizer drops it (sampled spaces keep their ids).
 """
 
 import random
@@ -16,12 +18,12 @@ SPECIAL = ["<pad>", "<eos>", "<user>", "<bot>", "<tool>", "<call>", "</call>", "
 VOCAB = SPECIAL + list("0123456789*= \n") + ["e", "r", "o"]  # "error: ..." from a failed call spells itself out
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'user' -%}<user>{{ m['content'] }}<eos>{{ '\\n' }}"
+    "{%- if m['role'] == 'user' -%}<user>{{ m['content'] }}<eos>"
     "{%- elif m['role'] == 'assistant' -%}<bot>{{ m['content'] }}"
     "{%- if m['tool_calls'] is defined and m['tool_calls'] -%}{%- for c in m['tool_calls'] -%}"
     "<call>{{ c['function']['name'] }}{%- for v in c['function']['arguments'].values() %} {{ v }}{%- endfor -%}</call>"
-    "{%- endfor -%}{%- endif -%}<eos>{{ '\\n' }}"
-    "{%- elif m['role'] == 'tool' -%}<tool>{{ m['content'] }}<eos>{{ '\\n' }}"
+    "{%- endfor -%}{%- endif -%}<eos>"
+    "{%- elif m['role'] == 'tool' -%}<tool>{{ m['content'] }}<eos>"
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}<bot>{%- endif -%}"
 )

@@ -2,16 +2,16 @@
 greedy accuracy and pass@k of a saved checkpoint or merged model."""
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from lorarl.trainer import data, scoring
 from lorarl.trainer.engines import RolloutEngine
+from lorarl.trainer.envs import SINGLE_TURN
 from lorarl.trainer.envs.episodes import EpisodeRunner
 from lorarl.trainer.rewards import RewardError
-from lorarl.trainer.rollout import greedy_scores, responses
+from lorarl.trainer.rollout import episode_returns, final_responses, greedy_scores, play_episodes, responses
 
 
 def evaluate(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: scoring.Rewards, *,
@@ -40,7 +40,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     of a checkpoint (its policy adapter on `model.path`, or its full model; the run's `config.yaml`, then `overrides`)
     or of a merged model directory (`trainer export`'s; the settings from `overrides`)."""
     from lorarl.trainer.config import load_config
-    from lorarl.trainer.engines import GREEDY, SamplingParams
+    from lorarl.trainer.engines import SamplingParams
     from lorarl.trainer.engines.hf import HFSettings, generate_with_hf
     from lorarl.trainer.errors import TrainerError
     from lorarl.trainer.models import DTYPES, load_base, load_tokenizer, resolve_device, resolve_model_path
@@ -67,20 +67,34 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
                           config.rollout.hf.batch_size)  # fmt: skip
     r, reward = config.rollout, scoring.Rewards(config.reward)
-    prompts = [list(e.prompt_ids) for e in examples]
+    episodes = None  # a multi-turn run's environment: its episodes are scored
+    if config.env.name != SINGLE_TURN:
+        episodes = EpisodeRunner(config.env, tokenizer, eos=tokenizer.eos_token_id,
+                                 system_prompt=config.data.system_prompt)  # fmt: skip
+
+    class Checkpoint:  # the model as an engine of weights version 0
+        def generate(self, prompts, sampling):
+            return generate_with_hf(model, settings, 0, prompts, sampling, tokenizer)
+
+    sampling = SamplingParams(n, r.temperature, r.top_p, r.max_tokens, config.trainer.seed)
     try:
         model.eval()
-        greedy = generate_with_hf(model, settings, 0, prompts, replace(GREEDY, max_tokens=r.max_tokens))
-        sampled = generate_with_hf(model, settings, 0, prompts, SamplingParams(n, r.temperature, r.top_p, r.max_tokens,
-                                                                               config.trainer.seed))  # fmt: skip
-        greedy_scores_ = [s.total for s in reward.score(responses(examples, greedy, tokenizer))]
-        chosen = [examples[c.prompt_index] for c in sampled]
-        sampled_scores = [s.total for s in reward.score(responses(chosen, sampled, tokenizer))]
+        greedy_scores_ = greedy_scores(Checkpoint(), examples, tokenizer, reward, max_tokens=r.max_tokens, version=0,
+                                       episodes=episodes)  # fmt: skip
+        if episodes is not None:
+            played = play_episodes(Checkpoint(), episodes, examples, n, sampling, 0)
+            indices = [e.index for e in played]
+            sampled_scores = episode_returns(played, reward.score(final_responses(played, tokenizer)))
+        else:
+            sampled = Checkpoint().generate([list(e.prompt_ids) for e in examples], sampling)
+            chosen = [examples[c.prompt_index] for c in sampled]
+            indices = [c.prompt_index for c in sampled]
+            sampled_scores = [s.total for s in reward.score(responses(chosen, sampled, tokenizer))]
     finally:
         reward.close()
     correct = [0] * len(examples)
-    for completion, score in zip(sampled, sampled_scores, strict=True):
-        correct[completion.prompt_index] += score >= 1.0
+    for index, score in zip(indices, sampled_scores, strict=True):
+        correct[index] += score >= 1.0
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, n) if k <= n})
     return {
         "checkpoint": str(directory),

@@ -134,6 +134,7 @@ class Rollouts:
             version,
         )
         scores = self.reward.score(final_responses(episodes, self.tokenizer))
+        returns = episode_returns(episodes, scores)
         penalties = [0.0] * len(episodes)
         if a.overlong_buffer_frac > 0:
             budget = self.config.env.max_tokens
@@ -145,8 +146,8 @@ class Rollouts:
             baselines = greedy_scores(self.engine, examples, self.tokenizer, self.reward, max_tokens=r.max_tokens,
                                       version=version, episodes=self.episodes)  # fmt: skip
         samples = []
-        for number, (episode, score, penalty) in enumerate(zip(episodes, scores, penalties, strict=True)):
-            total = score.total + sum(episode.rewards)
+        for number, (episode, score, total, penalty) in enumerate(zip(episodes, scores, returns, penalties,
+                                                                      strict=True)):  # fmt: skip
             baseline = None if baselines is None else baselines[episode.index]
             for segment in episode.segments:
                 completion = Completion(episode.index, tuple(segment.tokens), tuple(segment.logprobs),
@@ -191,6 +192,11 @@ def final_responses(episodes: list[Episode], tokenizer) -> list[rewards.Response
             for e, text, tokens in zip(episodes, texts, last, strict=True)]  # fmt: skip
 
 
+def episode_returns(episodes: list[Episode], scores: list[scoring.Score]) -> list[float]:
+    """Each episode's return: its environment's rewards, and the reward functions' score of its last action."""
+    return [score.total + sum(e.rewards) for score, e in zip(scores, episodes, strict=True)]
+
+
 def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: scoring.Rewards, *,
                   max_tokens: int, version: int, lag: int = 0,
                   episodes: EpisodeRunner | None = None) -> list[float]:  # fmt: skip
@@ -199,8 +205,7 @@ def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer
     greedy = replace(GREEDY, max_tokens=max_tokens)
     if episodes is not None:
         played = play_episodes(engine, episodes, examples, 1, greedy, version, lag)
-        scores = reward.score(final_responses(played, tokenizer))
-        return [score.total + sum(e.rewards) for score, e in zip(scores, played, strict=True)]
+        return episode_returns(played, reward.score(final_responses(played, tokenizer)))
     completions = engine.generate([e.prompt_ids for e in examples], greedy)
     check_versions(completions, version, lag=lag)
     return [score.total for score in reward.score(responses(examples, completions, tokenizer))]

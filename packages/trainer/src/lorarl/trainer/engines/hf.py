@@ -6,10 +6,11 @@ served unmerged by peft on the weights the worker holds; a factor set is merged 
 the pristine base the worker keeps.
 """
 
+import functools
 import hashlib
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,24 +65,14 @@ class HFWorker(Worker):
         self.adapter = None  # a peft model around self.model while an adapter is served unmerged
         self.factors = FactorMerger(settings.dtype)  # the pristine base weights of the factor sync
         self.tokenizer = None  # loaded for stop strings
-        self.stop_candidates: dict[tuple[str, ...], torch.Tensor] = {}
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
-        stop = self.stop_strings(sampling.stop) if sampling.stop else None
-        return generate_with_hf(model, self.settings, self.version, prompts, sampling, stop)
-
-    def stop_strings(self, strings: tuple[str, ...]) -> Callable[[], StopStrings]:
-        """A fresh `StopStrings` per decode call, over the model's tokenizer (loaded, and each set of strings'
-        candidate tokens found, once)."""
-        if self.tokenizer is None:
+        if sampling.stop and self.tokenizer is None:  # stop strings are text
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
-        if strings not in self.stop_candidates:
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            self.stop_candidates[strings] = StopStrings.candidates_of(self.tokenizer, strings, vocab)
-        return lambda: StopStrings(self.tokenizer, strings, self.stop_candidates[strings])
+        return generate_with_hf(model, self.settings, self.version, prompts, sampling, self.tokenizer)
 
     def apply(self, update: Update, *, shared: bool = False) -> SyncStats:
         """Install `update`, by its form (`shared`: its tensors are the trainer's own)."""
@@ -170,10 +161,12 @@ def generate_with_hf(
     version: int,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingParams,
-    stop_strings: Callable[[], StopStrings] | None = None,
+    tokenizer=None,
 ) -> list[Completion]:
-    """`sampling.n` responses per prompt, batched, seeded (a response ends at `eos`, or at a stop string where
-    `stop_strings` makes the decode calls' `StopStrings`)."""
+    """`sampling.n` responses per prompt, batched, seeded; a response ends at `eos`, or at one of `sampling.stop`
+    (read with `tokenizer`, which stop strings need)."""
+    if sampling.stop and tokenizer is None:
+        raise ValueError(f"stop strings {sampling.stop} need the model's tokenizer")
     eos, pad, device, n = settings.eos, settings.pad, settings.device, sampling.n
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     completions = []
@@ -183,7 +176,10 @@ def generate_with_hf(
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        stop = stop_strings() if stop_strings is not None else None
+        stop = None
+        if sampling.stop:
+            candidates = stop_candidates(tokenizer, sampling.stop, model.get_output_embeddings().weight.shape[0])
+            stop = StopStrings(tokenizer, sampling.stop, candidates)
         tokens, logp = decode(model, ids, mask, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, eos=eos, pad=pad, generator=generator, stop=stop)  # fmt: skip
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
@@ -195,3 +191,9 @@ def generate_with_hf(
             completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
                                           finished, version))  # fmt: skip
     return completions
+
+
+@functools.lru_cache(maxsize=16)
+def stop_candidates(tokenizer, strings: tuple[str, ...], vocab_size: int) -> torch.Tensor:
+    """`StopStrings.candidates_of`, once per tokenizer and set of strings."""
+    return StopStrings.candidates_of(tokenizer, strings, vocab_size)

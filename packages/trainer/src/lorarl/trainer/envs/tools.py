@@ -115,6 +115,8 @@ class Compact:
     def parse(self, text: str, tools: dict[str, Tool]) -> tuple[str, list[dict]]:
         calls = []
         for body in self.pattern.findall(text):
+            if not body.split():
+                raise ParseError("an empty tool call")
             name, *values = body.split()
             if name not in tools:
                 raise ParseError(f"no tool named {name!r} (tools: {sorted(tools)})")

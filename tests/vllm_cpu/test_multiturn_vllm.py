@@ -1,0 +1,66 @@
+"""Multi-turn episodes on the real vLLM CPU engine: a stop string ends a turn where the HF engine's decode ends it,
+each episode of a turn samples with a seed of its own, and the embedded calculator task trains on vLLM — inline and in
+a process of its own — with the engine's log-probs of the action tokens as close to the trainer's as single-turn
+runs keep them."""
+
+import json
+
+import pytest
+import torch
+from test_trainer_vllm import LOGP_DIFF_LIMIT
+
+from lorarl.trainer import default_task
+from lorarl.trainer.cli import main
+from lorarl.trainer.engines import GREEDY, SamplingParams
+from lorarl.trainer.engines.hf import HFSettings, HFWorker
+from lorarl.trainer.engines.vllm_worker import VllmSettings, VllmWorker
+from lorarl.trainer.models import load_tokenizer
+
+MODEL = default_task.EMBEDDED["calculator"]
+
+
+def test_stop_strings_end_the_turn_where_the_hf_engine_ends_it():
+    tokenizer = load_tokenizer(MODEL)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{a}*{b}"}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for a, b in ((123, 45), (907, 11), (350, 99))
+    ]
+    prompts = [p + tokenizer.encode("<call>", add_special_tokens=False) for p in prompts]  # the turn that calls
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, stop=("</call>",))
+    vllm = VllmWorker(VllmSettings(str(MODEL), torch.float32, 1, 0.5, None, seed=0, max_lora_rank=None, devices=None,
+                                   device="cpu", kv_cache_gb=0.1, inline=True))  # fmt: skip
+    hf = HFWorker(HFSettings(str(MODEL), torch.float32, "cpu", tokenizer.eos_token_id, tokenizer.pad_token_id, 64))
+    try:
+        from_vllm, from_hf = vllm.generate(prompts, greedy), hf.generate(prompts, greedy)
+        assert [c.token_ids for c in from_vllm] == [c.token_ids for c in from_hf]
+        for completion in from_vllm:
+            text = tokenizer.decode(list(completion.token_ids))
+            assert completion.finished
+            assert text.endswith("</call>")
+            assert text.count("</call>") == 1
+        repeated = [prompts[0]] * 6
+        sampled = vllm.generate(repeated, SamplingParams(max_tokens=12, temperature=1.5, seed=3, seed_per_prompt=True))
+        assert len({c.token_ids for c in sampled}) > 1  # the same context, each episode its own seed
+        again = vllm.generate(repeated, SamplingParams(max_tokens=12, temperature=1.5, seed=3, seed_per_prompt=True))
+        assert [c.token_ids for c in again] == [c.token_ids for c in sampled]
+        assert GREEDY.stop == ()
+    finally:
+        vllm.close()
+
+
+@pytest.mark.parametrize("worker", ["inline", "process"])
+def test_the_calculator_task_trains_on_vllm(tmp_path, worker):
+    out = tmp_path / "out"
+    code = main(["task=calculator", "rollout.engine=vllm", "rollout.dtype=float32", f"rollout.worker={worker}",
+                 "rollout.vllm.kv_cache_gb=0.25", "data.batch_size=8", "data.val_size=16", "trainer.steps=3",
+                 "trainer.eval_every=3", f"trainer.output_dir={out}"])  # fmt: skip
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > 0]
+    assert len(steps) == 3
+    assert all(r["env/turns"] >= 1 for r in steps)
+    assert any(r.get("env/tool_calls", 0) > 0 for r in steps)  # episodes of more than one turn were played
+    assert max(r["rollout/abs_logp_diff"] for r in steps) < LOGP_DIFF_LIMIT  # over action tokens only
+    assert "val/accuracy" in records[-1]
