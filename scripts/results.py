@@ -79,6 +79,14 @@ def rollout_throughput(rows: list[dict]) -> str:
     return "vLLM's speed over the HF engine's: " + per_case(rows, "case", "speedup")
 
 
+def multiturn_rollout(rows: list[dict]) -> str:
+    hf, vllm = ([r[f"{side}_episodes_per_s"] for r in rows] for side in ("hf", "vllm"))
+    memory = {side: spread([r[f"{side}_peak_rss_gb"] for r in rows], " GB") for side in ("hf", "vllm")}
+    return (f"episodes/s: HF {spread(hf, '', 0)}, vLLM {spread(vllm, '', 0)} "
+            f"({spread([r['vllm_over_hf'] for r in rows], '×')} of HF's); peak memory HF {memory['hf']}, "
+            f"vLLM {memory['vllm']}")  # fmt: skip
+
+
 def decode_head(rows: list[dict]) -> str:
     return f"sliced head over the whole: {spread([r['sliced_over_whole'] for r in rows])}"
 
@@ -98,6 +106,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "learning_vs_trl": (ROOT / "benchmarks/results/learning_vs_trl.jsonl", learning_vs_trl),
     "sync_modes": (ROOT / "benchmarks/results/sync_modes.jsonl", sync_modes),
     "rollout_throughput": (ROOT / "benchmarks/results/rollout_throughput.jsonl", rollout_throughput),
+    "multiturn_rollout": (ROOT / "benchmarks/results/multiturn_rollout.jsonl", multiturn_rollout),
     "decode_head": (ROOT / "benchmarks/results/decode_head.jsonl", decode_head),
     "gradient_checkpointing": (ROOT / "benchmarks/results/gradient_checkpointing.jsonl", gradient_checkpointing),
     "gpu_check": (ROOT / "benchmarks/results/gpu_check.jsonl", gpu_check),
