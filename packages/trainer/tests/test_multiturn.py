@@ -416,3 +416,73 @@ def test_the_calculator_task_trains_and_its_checkpoint_evaluates_in_episodes(tmp
     evaluated = json.loads(result.read_text())
     assert evaluated["prompts"] == 32
     assert abs(evaluated["greedy_accuracy"] - records[-1]["val/accuracy"]) <= 2 / 32
+
+
+PLUGIN = '''
+from dataclasses import dataclass
+
+from lorarl.trainer.envs import register_env
+from lorarl.trainer.envs.chat import ChatEnvironment, Reply
+from lorarl.trainer.registry import option
+
+
+@dataclass
+class RetrySettings:
+    feedback: str = option("wrong, try again", "what the model hears after a wrong answer")
+
+
+@register_env("retry", settings=RetrySettings)
+class Retry(ChatEnvironment):
+    """Answer; after a wrong one hear the feedback and try again."""
+
+    def respond(self, message):
+        if message["content"].strip() == self.answer:
+            return Reply(reward=1.0, done=True, stop_reason="right")
+        return Reply([{"role": "user", "content": self.settings.feedback}])
+
+    def start(self, example):
+        self.answer = example.answer
+        return super().start(example)
+'''
+
+
+def test_a_plugin_environment_brings_its_own_settings(tmp_path):
+    """`env=file.py:Name` of a class registered with settings: `--help` lists them, a config sets them, the
+    environment reads them, and the data row reaches its `start`."""
+    from lorarl.trainer.config import help_text, load_config
+
+    plugin = tmp_path / "retry.py"
+    plugin.write_text(PLUGIN)
+    spec = f"{plugin}:Retry"
+    try:
+        assert "env.retry.feedback" in help_text(None, [f"env={spec}"])
+        config = load_config(None, [f"env={spec}", "env.retry.feedback=try harder"])
+        tok = qwen2_style_tokenizer()
+        run = EpisodeRunner(config.env, tok, eos=tok.eos_token_id)
+        episodes = run.start([ROW], 1)
+        run.play(Script(tok, [[["7", "<|im_end|>"], ["1", "9", "<|im_end|>"]]]), episodes, SamplingParams())
+    finally:
+        ENVIRONMENTS.remove("retry")
+    (episode,) = episodes
+    assert episode.stop_reason == "right"
+    assert episode.rewards == [0.0, 1.0]
+    assert episode.env.messages[2] == {"role": "user", "content": "try harder"}
+
+
+@pytest.mark.parametrize("extra", [["rollout.worker=process"], ["trainer.backend=ray"], ["algorithm=ppo"],
+                                   ["actor.layout=packed", "algorithm=drgrpo"]],
+                         ids=["process", "ray", "ppo-critic", "packed-drgrpo"])  # fmt: skip
+def test_the_calculator_task_in_each_placement_and_with_a_critic(tmp_path, extra):
+    """Episodes through every placement of the HF engine (in a process of its own, a Ray actor), PPO's critic on
+    episodes (GAE over the action tokens), the packed layout with Dr. GRPO's constant length (env.max_tokens)."""
+    from lorarl.trainer.cli import main
+
+    out = tmp_path / "out"
+    assert main(["task=calculator", "trainer.steps=2", "trainer.eval_every=0", "data.batch_size=4",
+                 "rollout.dtype=float32", f"trainer.output_dir={out}", *extra]) == 0  # fmt: skip
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    assert len(steps) == 2
+    assert all(r["env/turns"] >= 1 for r in steps)
+    assert max(r["rollout/abs_logp_diff"] for r in steps) < 1e-4
+    if "algorithm=ppo" in extra:
+        assert all("critic/vf_loss" in r for r in steps)

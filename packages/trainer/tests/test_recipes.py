@@ -57,9 +57,9 @@ def test_the_calculator_recipe_asks_with_its_tool_and_loads(tmp_path):
     train = [r.fields for r in read_rows([str(tmp_path / "multiply_train.jsonl")], default_file="")]
     val = [r.fields for r in read_rows([str(tmp_path / "multiply_val.jsonl")], default_file="")]
     assert (len(train), len(val)) == (20_000, 200)
-    questions = {r["prompt"][1]["content"] for r in train}
-    assert not questions & {r["prompt"][1]["content"] for r in val}
-    a, b = (int(x) for x in val[0]["prompt"][1]["content"].removeprefix("What is ").rstrip("?").split(" * "))
+    questions = {r["prompt"][-1]["content"] for r in train}
+    assert not questions & {r["prompt"][-1]["content"] for r in val}
+    a, b = (int(x) for x in val[0]["prompt"][-1]["content"].removeprefix("What is ").rstrip("?").split(" * "))
     assert val[0]["answer"] == str(a * b)
     assert "<call>multiply A B</call>" in val[0]["prompt"][0]["content"]
     config = load_config(RECIPE / "calculator.yaml", presets=PRESETS)

@@ -53,16 +53,22 @@ SYSTEM = (
     "You have a calculator. To multiply two numbers, write <call>multiply A B</call> with the numbers for A "
     "and B; the product comes back. Then reply with just the number."
 )
+# one worked conversation before the question: SmolLM2-135M never writes a call from the description alone (0 of 192
+# episodes); after this example 6% of its first episodes call, which RL takes from there
+EXAMPLE = [{"role": "user", "content": "What is 212 * 31?"},
+           {"role": "assistant", "content": "<call>multiply 212 31</call>"},
+           {"role": "tool", "content": "6572"}, {"role": "assistant", "content": "6572"}]  # fmt: skip
 
 
 def write_tool_task(out: Path, seed: int = 0) -> None:
-    """`What is a * b?` for a in 100..999, b in 10..99, asked with a system prompt that describes the calculator tool
-    (`calculator.yaml`); 200 validation problems, 20,000 to train on, disjoint."""
+    """`What is a * b?` for a in 100..999, b in 10..99, asked after a system prompt that describes the calculator tool
+    and one worked example (`calculator.yaml`); 200 validation problems, 20,000 to train on, disjoint."""
     problems = [(a, b) for a in range(100, 1000) for b in range(10, 100)]
     random.Random(seed).shuffle(problems)
     for name, part in (("multiply_val.jsonl", problems[:200]), ("multiply_train.jsonl", problems[200:20200])):
-        rows = [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a} * {b}?"}],
-                 "answer": str(a * b)} for a, b in part]  # fmt: skip
+        rows = [{"prompt": [{"role": "system", "content": SYSTEM}, *EXAMPLE,
+                            {"role": "user", "content": f"What is {a} * {b}?"}], "answer": str(a * b)}
+                for a, b in part]  # fmt: skip
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
