@@ -486,3 +486,43 @@ def test_the_calculator_task_in_each_placement_and_with_a_critic(tmp_path, extra
     assert max(r["rollout/abs_logp_diff"] for r in steps) < 1e-4
     if "algorithm=ppo" in extra:
         assert all("critic/vf_loss" in r for r in steps)
+
+
+REWRITING_PLUGIN = '''
+from lorarl.trainer.envs.base import Environment, Observation, Step
+
+
+class Rewrite(Environment):
+    """Token level: after the first action the context is rewritten (not an extension), then the episode ends."""
+
+    def reset(self, example):
+        self.turn = 0
+        return Observation(tuple(example.prompt_ids))
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return Step(reward=0.5, observation=Observation(tuple(self.tokenizer.encode("<user>1*1<eos><bot>"))))
+        return Step(reward=float(len(action.tokens) % 2), done=True, stop_reason="second")
+'''
+
+
+def test_a_run_whose_environment_rewrites_the_context_trains_on_split_samples(tmp_path):
+    """End to end: each episode that reaches its second turn becomes two samples (`env/samples_per_episode`), the run
+    trains on both with one advantage per episode; with an estimator whose advantages vary along the tokens it stops
+    naming the cause."""
+    from lorarl.trainer.cli import main
+
+    plugin = tmp_path / "rewrite.py"
+    plugin.write_text(REWRITING_PLUGIN)
+    common = ["task=calculator", f"env={plugin}:Rewrite", "env.tools=[]", "reward.fn=default", "trainer.steps=2",
+              "trainer.eval_every=0", "data.batch_size=4"]  # fmt: skip
+    out = tmp_path / "out"
+    assert main([*common, f"trainer.output_dir={out}"]) == 0
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    for r in steps:  # an episode whose first action ran to rollout.max_tokens ends there, unsplit
+        assert 1.5 < r["env/samples_per_episode"] <= 2
+        assert r["env/stop/second"] > 0.5
+        assert r["env/turn_reward/1"] == 0.5
+    assert main([*common, "algorithm.adv_estimator=reinforce_pp", "algorithm.reinforce_pp.gamma=0.5",
+                 f"trainer.output_dir={tmp_path / 'out2'}"]) == 2  # fmt: skip
