@@ -347,6 +347,14 @@ def test_env_that_is_not_an_environment_is_named(tmp_path):
         ENVIRONMENTS["tool"]
 
 
+def test_a_first_observation_longer_than_the_prompts_may_be_is_named():
+    tok = qwen2_style_tokenizer()
+    run = EpisodeRunner(EnvSection(name="tools", tools=TOOLS), tok, eos=tok.eos_token_id, max_prompt_tokens=64)
+    with pytest.raises(EnvError, match=r"first observation of train.jsonl line 3 holds \d+ tokens \(its tools and "
+                                       r"template included\), more than data.max_prompt_tokens=64"):  # fmt: skip
+        run.start([ROW], 1)
+
+
 def test_a_tool_without_a_described_signature_is_named():
     from lorarl.trainer.envs.tools import load_tools
     from lorarl.trainer.errors import TrainerError

@@ -79,7 +79,8 @@ class Trainer:
         self.episodes = None  # multi-turn: the environment's runner
         if config.env.name != SINGLE_TURN:
             self.episodes = EpisodeRunner(config.env, self.tokenizer, eos=self.tokenizer.eos_token_id,
-                                          system_prompt=config.data.system_prompt)  # fmt: skip
+                                          system_prompt=config.data.system_prompt,
+                                          max_prompt_tokens=config.data.max_prompt_tokens)  # fmt: skip
         self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip

@@ -82,26 +82,34 @@ class Episode:
 class EpisodeRunner:
     """The run's environment (`env.name`), its setup (tools, settings), and the turn loop."""
 
-    def __init__(self, section, tokenizer, *, eos: int, system_prompt: str | None = None):
+    def __init__(self, section, tokenizer, *, eos: int, system_prompt: str | None = None,
+                 max_prompt_tokens: int | None = None):  # fmt: skip
         entry = ENVIRONMENTS[section.name]
         self.section, self.tokenizer, self.eos = section, tokenizer, eos
+        self.max_prompt_tokens = max_prompt_tokens  # an engine's context is sized by it and env.max_tokens
         self.environment = entry.environment
         self.setup = EnvSetup(tokenizer, section, entry.settings_in(section), load_tools(section.tools), system_prompt)
 
     def start(self, examples: list, n: int) -> list[Episode]:
         """`n` episodes per example, reset."""
-        episodes = []
-        for index, example in enumerate(examples):
-            for _ in range(n):
-                episode = Episode(index, example, self.environment(self.setup), ())
-                observation = self._guarded(episode, lambda e=episode: e.env.reset(e.example), "reset")
-                if observation is not None:
-                    observation = self._checked(episode, observation, Observation, "reset")
-                    episode.prompt = episode.context = tuple(observation.tokens)
-                    episode.stop = tuple(observation.stop)
-                    episode.segments.append(Segment(episode.prompt))
-                episodes.append(episode)
+        episodes = [Episode(index, example, self.environment(self.setup), ())
+                    for index, example in enumerate(examples) for _ in range(n)]  # fmt: skip
+        for episode in episodes:
+            self._reset(episode)
         return episodes
+
+    def _reset(self, episode: Episode) -> None:
+        observation = self._guarded(episode, lambda: episode.env.reset(episode.example), "reset")
+        if observation is None:  # it raised, and is scored (env.on_error=score)
+            return
+        observation = self._checked(episode, observation, Observation, "reset")
+        if self.max_prompt_tokens is not None and len(observation.tokens) > self.max_prompt_tokens:
+            raise EnvError(f"the environment's first observation of {episode.example.where or 'a data row'} holds "
+                           f"{len(observation.tokens)} tokens (its tools and template included), more than "
+                           f"data.max_prompt_tokens={self.max_prompt_tokens}: raise it")  # fmt: skip
+        episode.prompt = episode.context = tuple(observation.tokens)
+        episode.stop = tuple(observation.stop)
+        episode.segments.append(Segment(episode.prompt))
 
     def play(self, generate: Callable, episodes: list[Episode], sampling) -> None:
         """Every episode to its end: each turn, one `generate(contexts, sampling)` call for all live episodes."""
