@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from chat_fixtures import add, chat_model_dir, hermes_call, qwen2_style_tokenizer
+from chat_fixtures import NL, add, chat_model_dir, hermes_call, qwen2_style_tokenizer
 
 from lorarl.trainer import algorithms
 from lorarl.trainer.data import Example
@@ -88,6 +88,26 @@ def test_tool_episode_is_the_template_rendering_with_unsampled_tokens_masked():
                                    "<|im_start|>assistant\n")  # fmt: skip
     assert segment.logprobs[len(call_ids)] == 0.0
     assert segment.logprobs[0] == -0.5
+
+
+def test_a_template_that_renders_the_last_assistant_turn_apart_continues_by_appending():
+    """Qwen3's template gives the last assistant turn an empty `<think>` block and the earlier ones none: the tokens
+    after a turn are still what the template puts after it, the history is never re-rendered."""
+    tok = qwen2_style_tokenizer()
+    assistant = "<|im_start|>assistant" + NL
+    tok.chat_template = tok.chat_template.replace(
+        assistant + "{{ m['content'] }}",
+        assistant + "{%- if loop.last -%}<think>" + NL + NL + "</think>" + NL + NL + "{%- endif -%}{{ m['content'] }}",
+    )
+    rendered = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                                       tokenize=False)  # fmt: skip
+    assert "<think>\n\n</think>\n\na<|im_end|>" in rendered  # the template does render it apart
+    call = pieces(hermes_call("add", {"a": 12, "b": 7}), tok)
+    (episode,) = play(tok, [[call, [*pieces("19", tok), "<|im_end|>"]]])
+    segment = episode.segments[0]
+    assert tok.decode(segment.tokens[len(call) : len(segment.tokens) - 3]) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n19\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_turn_ended_by_the_model_keeps_only_the_boundary_newline_unsampled():
@@ -368,7 +388,7 @@ def test_a_template_that_rewrites_history_is_refused_by_name():
     tok.chat_template = ("{%- for m in messages -%}{%- if loop.last -%}<|im_start|>{{ m['role'] }}{{ m['content'] }}"
                          "<|im_end|>{%- else -%}{{ m['role'] }}{%- endif -%}{%- endfor -%}")  # fmt: skip
     template = ChatTemplate(tok)
-    with pytest.raises(TemplateError, match=r"rewrites the conversation when messages with roles \['user'\]"):
+    with pytest.raises(TemplateError, match=r"rewrites an assistant turn when messages with roles \['user'\]"):
         template.appended([{"role": "user", "content": "again"}])
 
 

@@ -1,13 +1,14 @@
 """The message-level layer: environments that think in chat messages, rendered through the tokenizer's own chat
 template — without ever re-tokenizing what the engine sampled.
 
-A new message is tokenized as the difference between two renderings of a fixed reference conversation (a user turn
-and an assistant turn), with and without the new messages after it: exactly what the template puts after an
-assistant turn for those messages, whatever came before. What the template closes an assistant turn with, and the
+A new message is tokenized as what the template renders after the assistant turn of a fixed reference conversation
+(a user turn and an assistant turn) followed by the new messages: exactly what the template puts after an assistant
+turn for those messages, whatever came before (and however it renders the turns before: Qwen3 gives the last
+assistant turn an empty `<think>` block, the others none). What the template closes an assistant turn with, and the
 engine did not sample (the `\\n` after `<|im_end|>`, the whole `<|im_end|>\\n` after a turn stopped at the end of a
 tool call), is prepended. The context therefore only ever grows by appending, and every appended token gets mask 0.
-A template that renders a reference conversation's continuation as something other than an extension of it is refused
-by name: the conversation could not be continued without rewriting what the engine saw.
+A template that renders the reference assistant turn differently once messages follow it (other content, another
+end) is refused by name: the conversation could not be continued without rewriting what the engine saw.
 """
 
 from __future__ import annotations
@@ -73,14 +74,14 @@ class ChatTemplate:
     @functools.lru_cache(maxsize=1024)  # noqa: B019 (one template per run; tool messages repeat)
     def _appended(self, key: str) -> str:
         messages = json.loads(key)
-        before = self.render(list(REFERENCE), generation_prompt=False)
         after = self.render([*REFERENCE, *messages], generation_prompt=True)
-        if not after.startswith(before):
+        turn_end = MARK + self.closing  # what precedes the reference's turn may differ (Qwen3: a <think> block)
+        if turn_end not in after:
             roles = [m.get("role") for m in messages]
-            raise TemplateError(f"the chat template rewrites the conversation when messages with roles {roles} "
-                                "follow an assistant turn (its rendering is not an extension of the one before): "
-                                "the conversation cannot be continued by appending")  # fmt: skip
-        return after[len(before) :]
+            raise TemplateError(f"the chat template rewrites an assistant turn when messages with roles {roles} "
+                                f"follow it (its content then {self.closing!r} no longer end it): the conversation "
+                                "cannot be continued by appending")  # fmt: skip
+        return after[after.index(turn_end) + len(turn_end) :]
 
     def appended(self, messages: list[dict]) -> str:
         """The text the template appends after an assistant turn for `messages`, then the generation prompt."""
