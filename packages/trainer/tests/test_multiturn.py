@@ -20,8 +20,9 @@ from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner
 from lorarl.trainer.envs.tools import Tool
 from lorarl.trainer.logprobs import micro_batch, response_logprobs
 from lorarl.trainer.registry import PluginError
-from lorarl.trainer.rollout import Sample
+from lorarl.trainer.rollout import Sample, episode_returns
 from lorarl.trainer.schema import EnvSection
+from lorarl.trainer.scoring import Score
 from lorarl.trainer.update import to_batch
 
 TOOLS = [f"{add.__module__}:add"]
@@ -348,6 +349,7 @@ def test_an_environment_that_raises_stops_the_run_naming_the_row_or_is_scored():
         assert episodes[0].stop_reason == "error"
         assert episodes[0].rewards == [-1.0]
         assert episodes[0].metrics == {"errors": 1}
+        assert episode_returns(episodes, [Score(5.0, (5.0,), 0)]) == [-1.0]  # the reward functions' 5 not added
     finally:
         ENVIRONMENTS.remove("exploding")
 

@@ -125,14 +125,8 @@ class Rollouts:
         turned into samples, one per segment (the episode's return on each)."""
         r, a = self.config.rollout, self.config.algorithm
         examples = [self.examples[i] for i in self.sampler.next_batch()]
-        episodes = play_episodes(
-            self.engine,
-            self.episodes,
-            examples,
-            r.n,
-            sampling_params(r, step_seed(self.config.trainer.seed, step, round_)),
-            version,
-        )
+        sampling = sampling_params(r, step_seed(self.config.trainer.seed, step, round_))
+        episodes = play_episodes(self.engine, self.episodes, examples, r.n, sampling, version)
         scores = self.reward.score(final_responses(episodes, self.tokenizer))
         returns = episode_returns(episodes, scores)
         penalties = [0.0] * len(episodes)
@@ -152,19 +146,9 @@ class Rollouts:
             for segment in episode.segments:
                 completion = Completion(episode.index, tuple(segment.tokens), tuple(segment.logprobs),
                                         not episode.truncated, min(episode.versions, default=version))  # fmt: skip
-                samples.append(
-                    Sample(
-                        list(segment.prompt),
-                        completion,
-                        first_group + episode.index,
-                        total,
-                        total + penalty,
-                        baseline,
-                        score,
-                        tuple(segment.mask),
-                        len(self.played) + number,
-                    )
-                )
+                samples.append(Sample(list(segment.prompt), completion, first_group + episode.index, total,
+                                      total + penalty, baseline, score, tuple(segment.mask),
+                                      len(self.played) + number))  # fmt: skip
         self.played += episodes
         return samples
 
@@ -193,8 +177,10 @@ def final_responses(episodes: list[Episode], tokenizer) -> list[rewards.Response
 
 
 def episode_returns(episodes: list[Episode], scores: list[scoring.Score]) -> list[float]:
-    """Each episode's return: its environment's rewards, and the reward functions' score of its last action."""
-    return [score.total + sum(e.rewards) for score, e in zip(scores, episodes, strict=True)]
+    """Each episode's return: its environment's rewards, and the reward functions' score of its last action — or,
+    where the environment raised (`env.on_error=score`), `env.error_score` alone."""
+    return [sum(e.rewards) + (0.0 if e.stop_reason == "error" else score.total)
+            for score, e in zip(scores, episodes, strict=True)]  # fmt: skip
 
 
 def greedy_scores(engine: RolloutEngine, examples: list[data.Example], tokenizer, reward: scoring.Rewards, *,
