@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from pretraining import sft_step, small_qwen2
 
 from lorarl.trainer import calculator_task as task
 from lorarl.trainer.data import Example
@@ -91,12 +91,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     task.build_tokenizer().save_pretrained(args.out)
     tokenizer = load_tokenizer(args.out)  # as the trainer will load it
-    config = Qwen2Config(
-        vocab_size=len(task.VOCAB), hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=10000.0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(config)
+    model = small_qwen2(tokenizer, vocab_size=len(task.VOCAB), max_positions=64)
     pretrain = task.problems(100_000, validation=False, seed=args.seed)
     rl_train = task.problems(20_000, validation=False, seed=args.seed + 1)
     validation = task.problems(500, validation=True, seed=args.seed + 2)
@@ -113,14 +108,8 @@ def main() -> None:
         ids = torch.tensor([t + [tokenizer.pad_token_id] * (width - len(t)) for t, _ in laid_out])
         labels = torch.tensor([[x if m else -100 for x, m in zip(t, mask, strict=True)] + [-100] * (width - len(t))
                                for t, mask in laid_out])  # fmt: skip
-        for group in optimizer.param_groups:
-            group["lr"] = 3e-3 * min(1.0, step / 100) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        model.train()
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        lr = 3e-3 * min(1.0, step / 100) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        loss = sft_step(model, optimizer, ids, labels, pad=tokenizer.pad_token_id, lr=lr)
         if step % 250 == 0 or step == args.steps:
             model.eval()
             greedy = accuracy(model, tokenizer, validation[:200])

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from pretraining import sft_step, small_qwen2
 
 from lorarl.trainer import default_task as task
 
@@ -45,12 +45,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     tokenizer = task.build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=16, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, rope_theta=10000.0,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(config)
+    model = small_qwen2(tokenizer, vocab_size=16, max_positions=32)
     pretrain = task.problems(200_000, validation=False, seed=args.seed)
     rl_train = task.problems(20_000, validation=False, seed=args.seed + 1)
     validation = task.problems(500, validation=True, seed=args.seed + 2)
@@ -63,14 +58,8 @@ def main() -> None:
         for i, r in enumerate(rows):  # learn the answer only
             labels[i, : len(r["prompt"])] = -100
         labels[ids == tokenizer.pad_token_id] = -100
-        for group in optimizer.param_groups:
-            group["lr"] = 3e-3 * min(1.0, step / 200) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.max_steps)))
-        model.train()
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        lr = 3e-3 * min(1.0, step / 200) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.max_steps)))
+        loss = sft_step(model, optimizer, ids, labels, pad=tokenizer.pad_token_id, lr=lr)
         if step % 100 == 0:
             model.eval()
             accuracy = greedy_accuracy(model, tokenizer, validation)

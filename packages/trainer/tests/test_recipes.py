@@ -12,13 +12,22 @@ from lorarl.trainer.rewards import load_reward
 RECIPE = Path(__file__).parents[1] / "recipes" / "smollm2"
 
 
-def test_the_task_is_disjoint_and_the_reward_takes_the_last_number(tmp_path):
+def fetch_module():
+    """The recipe's `fetch.py`, imported (it is a script, not a package module)."""
     spec = importlib.util.spec_from_file_location("fetch", RECIPE / "fetch.py")
     fetch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fetch)
+    return fetch
+
+
+def rows_of(directory: Path, name: str) -> list[dict]:
+    return [r.fields for r in read_rows([str(directory / name)], default_file="")]
+
+
+def test_the_task_is_disjoint_and_the_reward_takes_the_last_number(tmp_path):
+    fetch = fetch_module()
     fetch.write_task(tmp_path)
-    train = [r.fields for r in read_rows([str(tmp_path / "train.jsonl")], default_file="")]
-    val = [r.fields for r in read_rows([str(tmp_path / "val.jsonl")], default_file="")]
+    train, val = rows_of(tmp_path, "train.jsonl"), rows_of(tmp_path, "val.jsonl")
     assert (len(train), len(val)) == (90 * 90 - 200, 200)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
     a, b = (int(x) for x in val[0]["prompt"].removeprefix("What is ").split("?")[0].split(" + "))
@@ -50,12 +59,9 @@ def test_the_calculator_recipe_asks_with_its_tool_and_loads(tmp_path):
     the tool's schema from its signature, the config valid."""
     from lorarl.trainer.envs.tools import load_tools
 
-    spec = importlib.util.spec_from_file_location("fetch", RECIPE / "fetch.py")
-    fetch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fetch)
+    fetch = fetch_module()
     fetch.write_tool_task(tmp_path)
-    train = [r.fields for r in read_rows([str(tmp_path / "multiply_train.jsonl")], default_file="")]
-    val = [r.fields for r in read_rows([str(tmp_path / "multiply_val.jsonl")], default_file="")]
+    train, val = rows_of(tmp_path, "multiply_train.jsonl"), rows_of(tmp_path, "multiply_val.jsonl")
     assert (len(train), len(val)) == (20_000, 200)
     questions = {r["prompt"][-1]["content"] for r in train}
     assert not questions & {r["prompt"][-1]["content"] for r in val}
