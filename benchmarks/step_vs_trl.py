@@ -8,9 +8,10 @@ model, tokenizer, prompts, reward and settings:
 - no KL term, so neither side runs a reference model (TRL's `beta=0`, lorarl's `algorithm.kl_coef=0`);
 - fp32 training on both sides (TRL defaults to bf16: `bf16=False`), or with `--train-dtype bfloat16` a bf16 base model
   on both (lorarl's `model.dtype=bfloat16`; TRL's model loaded in bf16, with its default `bf16=True` autocast), LoRA
-  weights in fp32 on both (peft's); no gradient checkpointing (TRL defaults to it: `gradient_checkpointing=False`), or
-  with `--gradient-checkpointing` on both (TRL's `gradient_checkpointing=True`, lorarl's
-  `actor.gradient_checkpointing=true`: every decoder layer recomputed in the backward, non-reentrant on both);
+  weights in fp32 on both (peft's); with `--autocast bfloat16` a float32 model trained under bf16 autocast on both
+  (lorarl's `actor.autocast=bfloat16`, TRL's `bf16=True`); no gradient checkpointing (TRL defaults to it:
+  `gradient_checkpointing=False`), or with `--gradient-checkpointing` on both (TRL's `gradient_checkpointing=True`,
+  lorarl's `actor.gradient_checkpointing=true`: every decoder layer recomputed in the backward, non-reentrant on both);
   TRL trains the whole batch in one micro-batch (`gradient_accumulation_steps=1`, its fastest setting), lorarl at its
   default `actor.micro_batch_tokens`;
 - sampling: TRL without vLLM generates with its training model (in the training dtype); lorarl's engine at its default
@@ -32,7 +33,7 @@ is JIT-built once per machine (then cached): it is built before the first run, s
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
         [--rollout-dtype auto|float32|bfloat16] [--train-dtype float32|bfloat16] [--gradient-checkpointing]
-        [--device cpu|cuda] [--rollout-engine hf|vllm]
+        [--autocast none|bfloat16] [--device cpu|cuda] [--rollout-engine hf|vllm]
 
 On a GPU (`--device cuda`) each side also reports the peak GPU memory torch allocated in its process (`*_cuda_peak_gb`;
 lorarl's engine is in that process).
@@ -87,6 +88,7 @@ class Settings:
     gradient_checkpointing: bool  # on both sides
     device: str
     rollout_engine: str = "hf"  # lorarl's rollout.engine; "vllm": TRL generates with vLLM too
+    autocast: str = "none"  # bfloat16: both sides train under torch.autocast (lorarl's actor.autocast, TRL's bf16)
 
 
 GENERATIONS = 8
@@ -141,6 +143,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         f"trainer.seed={SEED}", f"trainer.device={settings.device}",
         f"actor.gradient_checkpointing={settings.gradient_checkpointing}",
         f"rollout.engine={settings.rollout_engine}", f"rollout.vllm.kv_cache_gb={VLLM_KV_CACHE_GB}",
+        f"actor.autocast={settings.autocast}",
     ])  # fmt: skip
     trainer = Trainer(config)
     ends, rewards = [], []
@@ -189,7 +192,7 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
                 rewards.append(logs["reward"])
 
     samples = case.prompts * GENERATIONS
-    bf16 = settings.train_dtype == "bfloat16"
+    bf16 = settings.train_dtype == "bfloat16" or settings.autocast == "bfloat16"  # HF Trainer: bf16 autocast
     vllm = settings.rollout_engine == "vllm"
     if vllm:  # TRL has no keys for these: its LLM call gets what lorarl's engine has
         from functools import partial
@@ -299,7 +302,8 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, sett
                "--output", str(output), "--steps", str(steps), "--result", str(result_file),
                "--max-tokens", str(case.max_tokens),
                "--rollout-dtype", settings.rollout_dtype, "--train-dtype", settings.train_dtype,
-               "--device", settings.device, "--rollout-engine", settings.rollout_engine]  # fmt: skip
+               "--device", settings.device, "--rollout-engine", settings.rollout_engine,
+               "--autocast", settings.autocast]  # fmt: skip
     if settings.gradient_checkpointing:
         command.append("--gradient-checkpointing")
     peak = run_measured(command, f"{side} on {case.name}")
@@ -379,6 +383,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides train and sample")
     parser.add_argument("--rollout-engine", default="hf", choices=("hf", "vllm"),
                         help="lorarl's engine; vllm: both sides generate with vLLM (TRL's colocate mode)")  # fmt: skip
+    parser.add_argument("--autocast", default="none", choices=("none", "bfloat16"),
+                        help="bfloat16: both sides train a float32 model under bf16 autocast (lorarl's actor.autocast, "
+                        "TRL's bf16=True)")  # fmt: skip
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -387,9 +394,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, help=argparse.SUPPRESS)  # the case's, or another's (a variant)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    settings = Settings(
-        args.rollout_dtype, args.train_dtype, args.gradient_checkpointing, args.device, args.rollout_engine
-    )
+    settings = Settings(args.rollout_dtype, args.train_dtype, args.gradient_checkpointing, args.device,
+                        args.rollout_engine, args.autocast)  # fmt: skip
     if args.worker:
         side = SIDES[args.worker]
         case = replace(CASES[args.case], max_tokens=args.max_tokens)

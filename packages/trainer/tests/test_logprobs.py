@@ -108,3 +108,25 @@ def test_auto_layout_packs_only_for_flash_attention():
     assert resolve_layout("padded", model) == "padded"
     with pytest.raises(ValueError, match="layout"):
         resolve_layout("jagged", model)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_bfloat16_autocast_follows_float32(layout):
+    """`actor.autocast=bfloat16` (the forward under torch.autocast, float32 weights): the log-probs within bf16's
+    precision of float32's, and the LoRA gradient of sum(w · log p) pointing the same way, kept in float32."""
+    model = lora(tiny_qwen2())
+    micro = build(PROMPTS, RESPONSES, layout)
+    params = [p for p in model.parameters() if p.requires_grad]
+    w = torch.randn(len(PROMPTS), WIDTH, generator=torch.Generator().manual_seed(3))
+
+    def run(autocast: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, _ = response_logprobs(model, micro, temperature=1.0)
+        (logp * w).sum().backward()
+        return logp.detach().float(), torch.cat([p.grad.flatten() for p in params])
+
+    (want, want_grad), (got, grad) = run(False), run(True)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params)
+    assert 0 < (got - want).abs().max() < 0.01  # bf16 did compute them
+    assert torch.nn.functional.cosine_similarity(grad, want_grad, dim=0) > 0.999

@@ -46,7 +46,8 @@ class Trainer:
         self.critic = Critic(config.critic, self.policy, self.device) if uses_critic else None
         self.rollout_dtype = rollout_dtype(r.dtype, self.policy.dtype, self.device)
         if self.is_main:
-            warn_slow_dtypes({"model.dtype": config.model.dtype, "rollout.dtype": r.dtype}, self.device)
+            warn_slow_dtypes({"model.dtype": config.model.dtype, "rollout.dtype": r.dtype,
+                              "actor.autocast": config.actor.autocast}, self.device)  # fmt: skip
         self.model = self.policy.model
         layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
         if config.actor.gradient_checkpointing:

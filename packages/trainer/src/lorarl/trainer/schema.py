@@ -132,6 +132,11 @@ class ActorSection:
     layout: str = option("auto", "micro-batch layout: packed rows (for flash-attention's varlen kernel) or padded "
                          "rows of similar lengths; auto picks by the attention kernel",
                          ("auto", "packed", "padded"))  # fmt: skip
+    autocast: str = option("none", "compute the training forwards and backwards in this dtype (torch.autocast), the "
+                           "weights, gradients and optimizer staying in model.dtype: bfloat16 on a float32 model "
+                           "where the device computes it natively (CUDA, CPUs with AVX512-BF16 or AMX) trains faster "
+                           "at bf16's precision of the log-probs; none = model.dtype throughout",
+                           ("none", "bfloat16", "float16"))  # fmt: skip
     gradient_checkpointing: bool = option(False, "recompute each decoder layer's activations in the backward (the "
                                           "critic's too): their memory drops to the layers' inputs, for about a "
                                           "third more compute")  # fmt: skip

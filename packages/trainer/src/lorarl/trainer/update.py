@@ -206,9 +206,10 @@ class ActorUpdate:
         """One micro-batch's loss — the policy loss (rollout-corrected), plus the KL and entropy terms configured —
         its metrics, and the old log-probs it used."""
         a = self.config.algorithm
-        logp, entropy = response_logprobs(self.model, self._micro_batch(batch, rows),
-                                          temperature=self.config.rollout.temperature,
-                                          entropy_grad=bool(a.entropy_coef))  # fmt: skip
+        with self.compute():
+            logp, entropy = response_logprobs(self.model, self._micro_batch(batch, rows),
+                                              temperature=self.config.rollout.temperature,
+                                              entropy_grad=bool(a.entropy_coef))  # fmt: skip
         mask = batch.loss_mask[rows].to(self.device)
         old_logp = batch.old[rows].to(self.device) if batch.old is not None else logp.detach()
         is_weights = None
@@ -257,12 +258,19 @@ class ActorUpdate:
     def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
         temperature = self.config.rollout.temperature
-        with self.policy.reference() if reference else contextlib.nullcontext(self.model) as model:
+        with self.policy.reference() if reference else contextlib.nullcontext(self.model) as model, self.compute():
             return self._over_batch(batch, lambda micro: response_logprobs(model, micro, temperature=temperature)[0])
 
     def _values(self, micro: MicroBatch) -> torch.Tensor:
-        with self.critic.selected() as model:
+        with self.critic.selected() as model, self.compute():
             return response_values(model, micro, self.critic.head)
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        """The forwards (and so the backwards) in `actor.autocast`'s dtype, or as the weights are."""
+        name = self.config.actor.autocast
+        if name == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, name))
 
     def _value_loss(self, batch: Batch, rows: list[int], totals: dict) -> tuple[torch.Tensor, dict]:
         """One micro-batch's clipped value loss against the returns, aggregated as the policy loss is."""
