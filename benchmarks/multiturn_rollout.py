@@ -34,7 +34,7 @@ def run_engine(engine: str, batches: int, dtype: str) -> dict:
     from lorarl.trainer import data
     from lorarl.trainer.config import load_config
     from lorarl.trainer.engines.inline import InlineEngine
-    from lorarl.trainer.envs.episodes import EpisodeRunner
+    from lorarl.trainer.envs.episodes import episode_runner
     from lorarl.trainer.models import load_tokenizer, resolve_model_path
     from lorarl.trainer.rollout import play_episodes, sampling_params
 
@@ -55,7 +55,7 @@ def run_engine(engine: str, batches: int, dtype: str) -> dict:
         worker = VllmWorker(VllmSettings(str(model), getattr(torch, dtype), 1, 0.5, max_model_len, seed=0,
                                          max_lora_rank=None, devices=None, device="cpu", kv_cache_gb=kv_cache_gb,
                                          inline=True))  # fmt: skip
-    runner = EpisodeRunner(config.env, tokenizer, eos=eos)
+    runner = episode_runner(config, tokenizer)
     engine_ = InlineEngine(worker)
     seconds, tokens, turns, episodes = [], [], [], []
     for index in range(batches + 1):

@@ -3,7 +3,6 @@ tokens the engine did not sample get mask 0, log-probs and the loss equal a one-
 are never decoded and re-encoded, a rewritten context splits into a new sample — and every bad input is named."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from lorarl.trainer.registry import PluginError
 from lorarl.trainer.rollout import Sample, episode_returns
 from lorarl.trainer.schema import EnvSection
 from lorarl.trainer.scoring import Score
-from lorarl.trainer.update import to_batch
+from lorarl.trainer.update import episode_advantages, to_batch
 
 TOOLS = [f"{add.__module__}:add"]
 ROW = Example("what is 12+7?", "19", (), {}, "train.jsonl line 3")
@@ -33,7 +32,7 @@ class Script:
     """The engine's side of a test episode, written out: each live episode's next action, in order (token ids given
     as text pieces, each piece one token, so that ids the tokenizer would not produce can be sampled)."""
 
-    def __init__(self, tokenizer, actions: list[list[list[str]]], *, stop_on: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, actions: list[list[list[str]]]):
         self.tokenizer, self.queues = tokenizer, [list(a) for a in actions]
         self.calls: list[list[list[int]]] = []
 
@@ -180,18 +179,13 @@ def test_a_rewritten_context_starts_a_new_sample_and_advantages_count_episodes()
     samples = samples_of(episodes, returns=returns, groups=[0, 0, 1, 1])
     batch = to_batch(samples, mask_truncated=False)
     assert batch.episode.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    from lorarl.trainer.update import ActorUpdate
-
-    update = ActorUpdate.__new__(ActorUpdate)
-    update.estimator = algorithms.ADVANTAGES["grpo"]
-    advantages = update._episode_advantages(batch, None, {"norm_std": True, "eps": 1e-6})
+    advantages = episode_advantages(algorithms.ADVANTAGES["grpo"], batch, None, {"norm_std": True, "eps": 1e-6})
     want = {0: -0.7071, 1: 0.7071, 2: -0.7071, 3: 0.7071}  # (r - mean) / std over each group's two episodes
     for row, episode in enumerate(batch.episode.tolist()):
         values = advantages[row][batch.loss_mask[row]]
         torch.testing.assert_close(values, torch.full_like(values, want[episode]), atol=1e-4, rtol=0)
-    update.estimator = algorithms.ADVANTAGES["reinforce_pp"]
     with pytest.raises(Exception, match="vary along an episode's tokens"):
-        update._episode_advantages(batch, None, {"gamma": 0.5, "eps": 1e-6})
+        episode_advantages(algorithms.ADVANTAGES["reinforce_pp"], batch, None, {"gamma": 0.5, "eps": 1e-6})
 
 
 def samples_of(episodes, returns=None, groups=None) -> list[Sample]:
@@ -420,10 +414,9 @@ def test_the_calculator_task_config_loads():
     assert config.env.tool_format == "compact"
     assert config.env.max_turns == 4
     assert config.model.path == "calculator"
-    assert json.loads(json.dumps(config.env.tools)) == ["lorarl.trainer.calculator_task:mul"]
+    assert config.env.tools == ["lorarl.trainer.calculator_task:mul"]
     with pytest.raises(Exception, match="task=nope: unknown task; choose one of"):
         load_config(None, ["task=nope"])
-    assert replace(config.env, name="none").name == "none"
 
 
 def test_the_calculator_task_trains_and_its_checkpoint_evaluates_in_episodes(tmp_path):

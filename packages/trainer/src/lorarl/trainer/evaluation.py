@@ -8,8 +8,7 @@ import numpy as np
 
 from lorarl.trainer import data, scoring
 from lorarl.trainer.engines import RolloutEngine
-from lorarl.trainer.envs import SINGLE_TURN
-from lorarl.trainer.envs.episodes import EpisodeRunner
+from lorarl.trainer.envs.episodes import EpisodeRunner, episode_runner
 from lorarl.trainer.rewards import RewardError
 from lorarl.trainer.rollout import episode_returns, final_responses, greedy_scores, play_episodes, responses
 
@@ -67,10 +66,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
                           config.rollout.hf.batch_size)  # fmt: skip
     r, reward = config.rollout, scoring.Rewards(config.reward)
-    episodes = None  # a multi-turn run's environment: its episodes are scored
-    if config.env.name != SINGLE_TURN:
-        episodes = EpisodeRunner(config.env, tokenizer, eos=tokenizer.eos_token_id,
-                                 system_prompt=config.data.system_prompt)  # fmt: skip
+    episodes = episode_runner(config, tokenizer)  # a multi-turn run's environment: its episodes are scored
 
     class Checkpoint:  # the model as an engine of weights version 0
         def generate(self, prompts, sampling):

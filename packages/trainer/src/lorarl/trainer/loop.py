@@ -18,8 +18,7 @@ from lorarl.trainer import algorithms, checkpoint, data, scoring
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.console import Console, summary
 from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
-from lorarl.trainer.envs import SINGLE_TURN
-from lorarl.trainer.envs.episodes import EpisodeRunner
+from lorarl.trainer.envs.episodes import episode_runner
 from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
@@ -77,11 +76,7 @@ class Trainer:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
         self.reward = scoring.Rewards(config.reward)
-        self.episodes = None  # multi-turn: the environment's runner
-        if config.env.name != SINGLE_TURN:
-            self.episodes = EpisodeRunner(config.env, self.tokenizer, eos=self.tokenizer.eos_token_id,
-                                          system_prompt=config.data.system_prompt,
-                                          max_prompt_tokens=config.data.max_prompt_tokens)  # fmt: skip
+        self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
         self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip

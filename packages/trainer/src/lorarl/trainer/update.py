@@ -67,6 +67,35 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
     )
 
 
+def episode_advantages(estimator: algorithms.AdvantageEstimator, batch: Batch, penalty: torch.Tensor | None,
+                       settings: dict) -> torch.Tensor:  # fmt: skip
+    """Advantages where episodes split into several rows: the estimator sees one row per episode (its last, which
+    holds its return), so that group statistics count episodes; every row of the episode gets that row's
+    advantage. An estimator whose advantages vary along the tokens (a critic's, discounted returns) needs one
+    sequence per episode, and is refused."""
+    episode = batch.episode.tolist()
+    last = {e: i for i, e in enumerate(episode)}  # the rows of an episode come in order
+    rows = list(last.values())
+    mask = batch.loss_mask[rows]
+    per_row = algorithms.advantages(estimator, batch.rewards[rows], batch.group[rows], mask,
+                                    baseline=None if batch.baselines is None else batch.baselines[rows],
+                                    values=None if batch.values is None else batch.values[rows],
+                                    token_penalty=None if penalty is None else penalty[rows],
+                                    **settings)  # fmt: skip
+    first = mask.float().argmax(1)
+    constant = per_row.gather(1, first[:, None])
+    if estimator.needs_values or not torch.equal(per_row * mask, constant * mask):
+        raise TrainerError(
+            f"algorithm.adv_estimator={estimator.name} gives advantages that vary along an episode's "
+            "tokens, and this step's environment split episodes into several sequences (its observations "
+            "rewrote the context): use an outcome estimator (grpo, rloo, ...) or an environment whose "
+            "observations extend the context"
+        )
+    by_episode = dict(zip(last, constant[:, 0].tolist(), strict=True))
+    values = torch.tensor([by_episode[e] for e in episode], dtype=per_row.dtype)
+    return values[:, None] * batch.loss_mask
+
+
 class ActorUpdate:
     """The step's update of the policy's trainable weights — and of the critic's, with an estimator that uses one
     (`gae`): both train in the same PPO epochs x mini-batches x micro-batches, each with its own optimizer. `layout`
@@ -110,7 +139,7 @@ class ActorUpdate:
             penalty = a.kl_coef * self._kl(current, batch.reference) * batch.loss_mask
         settings = self.estimator.configured(a)
         if batch.episode is not None:
-            batch.advantages = self._episode_advantages(batch, penalty, settings)
+            batch.advantages = episode_advantages(self.estimator, batch, penalty, settings)
         else:
             batch.advantages = algorithms.advantages(self.estimator, batch.rewards, batch.group, batch.loss_mask,
                                                      baseline=batch.baselines, values=batch.values,
@@ -119,33 +148,6 @@ class ActorUpdate:
             _, batch.returns = algorithms.gae_returns(batch.rewards, batch.values, batch.loss_mask,
                                                       gamma=settings.get("gamma", 1.0), lam=settings.get("lam", 1.0),
                                                       token_penalty=penalty)  # fmt: skip
-
-    def _episode_advantages(self, batch: Batch, penalty: torch.Tensor | None, settings: dict) -> torch.Tensor:
-        """Advantages where episodes split into several rows: the estimator sees one row per episode (its last, which
-        holds its return), so that group statistics count episodes; every row of the episode gets that row's
-        advantage. An estimator whose advantages vary along the tokens (a critic's, discounted returns) needs one
-        sequence per episode, and is refused."""
-        episode = batch.episode.tolist()
-        last = {e: i for i, e in enumerate(episode)}  # the rows of an episode come in order
-        rows = list(last.values())
-        mask = batch.loss_mask[rows]
-        per_row = algorithms.advantages(self.estimator, batch.rewards[rows], batch.group[rows], mask,
-                                        baseline=None if batch.baselines is None else batch.baselines[rows],
-                                        values=None if batch.values is None else batch.values[rows],
-                                        token_penalty=None if penalty is None else penalty[rows],
-                                        **settings)  # fmt: skip
-        first = mask.float().argmax(1)
-        constant = per_row.gather(1, first[:, None])
-        if self.estimator.needs_values or not torch.equal(per_row * mask, constant * mask):
-            raise TrainerError(
-                f"algorithm.adv_estimator={self.estimator.name} gives advantages that vary along an episode's "
-                "tokens, and this step's environment split episodes into several sequences (its observations "
-                "rewrote the context): use an outcome estimator (grpo, rloo, ...) or an environment whose "
-                "observations extend the context"
-            )
-        by_episode = dict(zip(last, constant[:, 0].tolist(), strict=True))
-        values = torch.tensor([by_episode[e] for e in episode], dtype=per_row.dtype)
-        return values[:, None] * batch.loss_mask
 
     def update(self, step: int, batch: Batch) -> dict:
         """PPO epochs x mini-batches x micro-batches, then the learning-rate schedules' step. The actor waits for the

@@ -69,9 +69,9 @@ class HFWorker(Worker):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
         if sampling.stop and self.tokenizer is None:  # stop strings are text
-            from transformers import AutoTokenizer
+            from lorarl.trainer.models import load_tokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
+            self.tokenizer = load_tokenizer(self.settings.model_path)
         return generate_with_hf(model, self.settings, self.version, prompts, sampling, self.tokenizer)
 
     def apply(self, update: Update, *, shared: bool = False) -> SyncStats:
@@ -182,11 +182,12 @@ def generate_with_hf(
             stop = StopStrings(tokenizer, sampling.stop, candidates)
         tokens, logp = decode(model, ids, mask, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                               top_p=sampling.top_p, eos=eos, pad=pad, generator=generator, stop=stop)  # fmt: skip
+        stopped = stop.ends if stop is not None else {}  # row -> its length with the stop string
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
-            finished = eos in row_tokens or (stop is not None and row in stop.ends)
-            if stop is not None and row in stop.ends:
-                length = stop.ends[row]
+            if row in stopped:
+                finished, length = True, stopped[row]
             else:
+                finished = eos in row_tokens
                 length = row_tokens.index(eos) + 1 if finished else len(row_tokens)
             completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
                                           finished, version))  # fmt: skip

@@ -130,7 +130,7 @@ class ChatEnvironment(Environment):
             text = text[: -len(eos_text)]
         return {"role": "assistant", "content": text}
 
-    @property
+    @functools.cached_property
     def template(self) -> ChatTemplate:
         schemas = [tool.schema for tool in self.tools]
         return chat_template(self.tokenizer, json.dumps(schemas))

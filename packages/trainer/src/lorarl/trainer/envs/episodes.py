@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from lorarl.trainer.envs import ENVIRONMENTS
+from lorarl.trainer.envs import ENVIRONMENTS, SINGLE_TURN
 from lorarl.trainer.envs.base import Action, Environment, EnvSetup, Observation, Step
 from lorarl.trainer.envs.tools import load_tools
 from lorarl.trainer.errors import TrainerError
@@ -187,6 +187,14 @@ class EpisodeRunner:
                            f"{expected.__name__} (lorarl.trainer.envs.base), on the episode of "
                            f"{episode.example.where or 'a data row'}")  # fmt: skip
         return value
+
+
+def episode_runner(config, tokenizer) -> EpisodeRunner | None:
+    """The run's episodes as its configuration (`env`, `data`) describes them; None for single-turn."""
+    if config.env.name == SINGLE_TURN:
+        return None
+    return EpisodeRunner(config.env, tokenizer, eos=tokenizer.eos_token_id, system_prompt=config.data.system_prompt,
+                         max_prompt_tokens=config.data.max_prompt_tokens)  # fmt: skip
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
