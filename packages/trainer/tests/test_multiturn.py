@@ -286,6 +286,24 @@ def test_stop_strings_cut_the_hf_decode_where_the_unstopped_one_contains_them(tm
     assert stop.ends
 
 
+def test_a_stop_string_ending_in_a_byte_level_token_stops():
+    """A byte-level vocabulary (GPT-2, Qwen, Llama 3) spells "\\n" as "Ċ": the token that completes "a\\n" is found by
+    its decoded text, and ends the row there."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    a, newline = tok.encode("a\n", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(newline) == "Ċ"
+    stop = StopStrings(tok, ("a\n",), StopStrings.candidates_of(tok, ("a\n",), len(tok)))
+    history = [torch.tensor([a, a]), torch.tensor([newline, a])]
+    assert stop(history, history[-1], torch.zeros(2, dtype=torch.bool)).tolist() == [True, False]
+    assert stop.ends == {0: 2}
+
+
 def test_bounds_end_episodes_with_their_reason():
     tok = qwen2_style_tokenizer()
     call = pieces(hermes_call("add", {"a": 1, "b": 2}), tok)

@@ -81,10 +81,13 @@ class StopStrings:
 
     @staticmethod
     def candidates_of(tokenizer, strings: tuple[str, ...], vocab_size: int) -> Tensor:
-        """`[vocab_size]`: the tokens whose text holds the last character of one of `strings`."""
+        """`[vocab_size]`: the tokens whose text holds the last character of one of `strings` — decoded (a byte-level
+        vocabulary spells "\n" as "Ċ") or as the vocabulary spells it (a byte of a multi-byte character decodes to
+        nothing whole)."""
         last = {s[-1] for s in strings}
-        texts = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        hits = [i for i, text in enumerate(texts) if i < vocab_size and text and any(c in text for c in last)]
+        ids = list(range(min(len(tokenizer), vocab_size)))
+        spelt, decoded = tokenizer.convert_ids_to_tokens(ids), tokenizer.batch_decode([[i] for i in ids])
+        hits = [i for i in ids if any(c in (spelt[i] or "") + decoded[i] for c in last)]
         mask = torch.zeros(vocab_size, dtype=torch.bool)
         mask[hits] = True
         return mask
