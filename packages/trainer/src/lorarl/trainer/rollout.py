@@ -230,8 +230,9 @@ def rollout_metrics(samples: list[Sample]) -> dict:
 
 
 def sampling_params(rollout, seed: int) -> SamplingParams:
-    """The run's sampling (`rollout.n`, `temperature`, `top_p`, `max_tokens`) with `seed`."""
-    return SamplingParams(rollout.n, rollout.temperature, rollout.top_p, rollout.max_tokens, seed)
+    """The run's sampling (`rollout.n`, `temperature`, `top_p`, `max_tokens`, `min_tokens`) with `seed`."""
+    return SamplingParams(rollout.n, rollout.temperature, rollout.top_p, rollout.max_tokens, seed,
+                          min_tokens=rollout.min_tokens)  # fmt: skip
 
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:

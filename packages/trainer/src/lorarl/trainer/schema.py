@@ -64,6 +64,9 @@ class RolloutSection:
     temperature: float = option(1.0, "sampling temperature (0: greedy, one response per prompt)", minimum=0.0)
     top_p: float = option(1.0, "nucleus sampling threshold, in (0, 1]", maximum=1.0)
     max_tokens: int = option(8, "maximum response length in tokens", minimum=1)
+    min_tokens: int = option(0, "training responses run at least this many tokens: end-of-sequence is removed from "
+                             "the sampling distribution (and stop strings wait) until then, as vLLM's min_tokens; the "
+                             "engine's log-probs are of that distribution", minimum=0)  # fmt: skip
     sync: str = option("merged", "what reaches the engine after each step (a sync kind, or a plugin's import path): "
                        "merged weights; the adapter alone (served unmerged); the LoRA factors alone (factors: the "
                        "engine merges them into its weights from a pristine copy of the adapted base weights, sent "

@@ -82,10 +82,13 @@ def check_rules(config: Config) -> None:
     if a.dual_clip is not None and a.dual_clip <= 1:
         raise ConfigError(f"algorithm.dual_clip={a.dual_clip}: expected a bound > 1 (or null: off)")
     buffer = overlong_buffer(a.overlong_buffer_frac, r.max_tokens)
-    if a.overlong_buffer_frac > 0 and buffer >= r.max_tokens:
+    single_turn = config.env.name == SINGLE_TURN  # an episode's buffer is a share of env.max_tokens (checked below)
+    if single_turn and a.overlong_buffer_frac > 0 and buffer >= r.max_tokens:
         raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac} of rollout.max_tokens="
                           f"{r.max_tokens} is a buffer of {buffer} tokens: the overlong penalty would hit every "
                           "response (expected a buffer shorter than max_tokens)")  # fmt: skip
+    if r.min_tokens > r.max_tokens:
+        raise ConfigError(f"rollout.min_tokens={r.min_tokens}: expected at most rollout.max_tokens={r.max_tokens}")
     if r.top_p <= 0:
         raise ConfigError(f"rollout.top_p={r.top_p}: expected 0 < top_p <= 1")
     if r.temperature == 0 and r.n > 1:

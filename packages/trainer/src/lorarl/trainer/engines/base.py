@@ -34,10 +34,13 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()  # strings that end a response besides end-of-sequence (kept in it)
     seed_per_prompt: bool = False  # prompt i samples with seed + i (repeated prompts answered apart: episodes)
+    min_tokens: int = 0  # end-of-sequence cannot be drawn (nor a stop string end a response) before this many tokens
 
     def __post_init__(self):
         if self.n < 1 or self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"expected n >= 1, max_tokens >= 1, temperature >= 0 and 0 < top_p <= 1; got {self}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"expected 0 <= min_tokens <= max_tokens; got {self}")
         if self.temperature == 0 and self.n != 1:
             raise ValueError(f"greedy decoding (temperature=0) gives one response per prompt, got n={self.n}")
 

@@ -181,7 +181,8 @@ def generate_with_hf(
             candidates = stop_candidates(tokenizer, sampling.stop, model.get_output_embeddings().weight.shape[0])
             stop = StopStrings(tokenizer, sampling.stop, candidates)
         tokens, logp = decode(model, ids, mask, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                              top_p=sampling.top_p, eos=eos, pad=pad, generator=generator, stop=stop)  # fmt: skip
+                              top_p=sampling.top_p, eos=eos, pad=pad, generator=generator, stop=stop,
+                              min_tokens=sampling.min_tokens)  # fmt: skip
         stopped = stop.ends if stop is not None else {}  # row -> its length with the stop string
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
             if row in stopped:

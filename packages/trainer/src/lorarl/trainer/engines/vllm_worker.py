@@ -126,7 +126,8 @@ def sampling_args(sampling: SamplingParams) -> dict:
         stop = {"stop": list(sampling.stop), "include_stop_str_in_output": True, "skip_special_tokens": False,
                 "spaces_between_special_tokens": False}  # fmt: skip
     return {"n": sampling.n, "temperature": 0.0 if greedy else sampling.temperature,
-            "top_p": 1.0 if greedy else sampling.top_p, "max_tokens": sampling.max_tokens, "seed": sampling.seed,
+            "top_p": 1.0 if greedy else sampling.top_p, "max_tokens": sampling.max_tokens,
+            "min_tokens": sampling.min_tokens, "seed": sampling.seed,
             "logprobs": 0, "detokenize": bool(sampling.stop), **stop}  # fmt: skip
 
 

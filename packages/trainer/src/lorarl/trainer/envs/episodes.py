@@ -120,8 +120,9 @@ class EpisodeRunner:
                 return
             room = [s.max_tokens - e.spent for e in live]
             stops = tuple(sorted({text for e in live for text in e.stop}))
-            params = replace(sampling, n=1, max_tokens=max(1, min(sampling.max_tokens, max(room))), stop=stops,
-                             seed=sampling.seed + 7919 * turn, seed_per_prompt=True)  # fmt: skip
+            max_tokens = max(1, min(sampling.max_tokens, max(room)))
+            params = replace(sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
+                             stop=stops, seed=sampling.seed + 7919 * turn, seed_per_prompt=True)  # fmt: skip
             completions = generate([list(e.context) for e in live], params)
             for episode, completion, left in zip(live, completions, room, strict=True):
                 self._act(episode, completion, left, last_turn=turn == s.max_turns - 1)
