@@ -1,6 +1,9 @@
 """Response log-probs and entropies, in either micro-batch layout, equal those of each sample run alone through the
 plain model (full logits, log-softmax) — values, and the gradients they give the LoRA parameters."""
 
+import itertools
+import random
+
 import pytest
 import torch
 from tiny_models import tiny_gpt2, tiny_qwen2
@@ -98,6 +101,40 @@ def test_padded_micro_batches_group_similar_lengths_and_bound_rows_times_the_lon
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     assert all(len(b) * max(lengths[i] for i in b) <= 18 for b in batches)
     assert list(micro_batches([30, 2], 18, "padded")) == [[0], [1]]  # a sample longer than the bound goes alone
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_micro_batches_are_the_fewest_and_as_even_as_they_can_be(layout):
+    """16 samples of 268 tokens within 4096: two micro-batches of 8 (filling the first would leave 15 and 1, and the
+    activations' memory of 15); against every split into as many micro-batches, by brute force on small cases."""
+    assert micro_batches([268] * 16, 4096, layout) == [list(range(8)), list(range(8, 16))]
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 9) for _ in range(rng.randint(1, 7))]
+        bound = rng.randint(9, 30)
+        got = micro_batches(lengths, bound, layout)
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if layout == "padded" else range(len(lengths))
+        assert [i for b in got for i in b] == list(order)
+
+        def cost(rows, lengths=lengths):
+            return len(rows) * max(lengths[i] for i in rows) if layout == "padded" else sum(lengths[i] for i in rows)
+
+        splits = [split for split in _contiguous_splits(list(order)) if all(cost(b) <= bound for b in split)]
+        fewest = min(map(len, splits))
+        assert len(got) == fewest
+        assert max(map(cost, got)) == min(max(map(cost, s)) for s in splits if len(s) == fewest)
+
+
+def _contiguous_splits(items):
+    """Every way to cut `items` into consecutive groups."""
+    for cuts in itertools.product([False, True], repeat=len(items) - 1):
+        split, group = [], [items[0]]
+        for item, cut in zip(items[1:], cuts, strict=True):
+            if cut:
+                split.append(group)
+                group = []
+            group.append(item)
+        yield [*split, group]
 
 
 def test_auto_layout_packs_only_for_flash_attention():

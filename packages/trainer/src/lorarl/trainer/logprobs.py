@@ -14,7 +14,7 @@ head runs on the response positions alone, chunked (`head_logprobs`). Values are
 `padding.response_from_packed` / `response_from_padded` — one alignment rule for old, reference and current log-probs.
 """
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,23 +129,36 @@ def _after_shared_prompts(distinct: list[tuple[int, ...]], which: list[int], res
                       mask.to(device), prompts)  # fmt: skip
 
 
-def micro_batches(lengths: Sequence[int], max_tokens: int, layout: str = "packed") -> Iterator[list[int]]:
-    """Sample indices grouped into micro-batches within `max_tokens` (a longer sample goes alone). Packed: consecutive
-    samples, counting their tokens. Padded: samples sorted longest first, counting rows x the longest (pads
-    included), so that each micro-batch holds samples of similar lengths."""
+def micro_batches(lengths: Sequence[int], max_tokens: int, layout: str = "packed") -> list[list[int]]:
+    """Sample indices grouped into the fewest micro-batches within `max_tokens` (a longer sample goes alone), as even
+    as they can be: the activations' memory follows the largest, so 15 rows and 1 would keep almost twice what 8 and 8
+    keep, for the same forwards. Packed: consecutive samples, counting their tokens. Padded: samples sorted longest
+    first, counting rows x the longest (pads included), so that each micro-batch holds samples of similar lengths."""
     padded = layout == "padded"
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if padded else range(len(lengths))
-    batch, tokens, widest = [], 0, 0
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if padded else list(range(len(lengths)))
+    fewest = len(_filled(order, lengths, max_tokens, padded))
+    low, high = 1, max_tokens  # the smallest budget that still needs no more micro-batches
+    while low < high:
+        middle = (low + high) // 2
+        if len(_filled(order, lengths, middle, padded)) <= fewest:
+            high = middle
+        else:
+            low = middle + 1
+    return _filled(order, lengths, low, padded)
+
+
+def _filled(order: Sequence[int], lengths: Sequence[int], budget: int, padded: bool) -> list[list[int]]:
+    """`order` cut into micro-batches, each filled up to `budget`."""
+    batches, batch, tokens, widest = [], [], 0, 0
     for i in order:
         cost = (len(batch) + 1) * max(widest, lengths[i]) if padded else tokens + lengths[i]
-        if batch and cost > max_tokens:
-            yield batch
+        if batch and cost > budget:
+            batches.append(batch)
             batch, tokens, widest = [], 0, 0
         batch.append(i)
         tokens += lengths[i]
         widest = max(widest, lengths[i])
-    if batch:
-        yield batch
+    return [*batches, batch] if batch else batches
 
 
 def response_logprobs(
