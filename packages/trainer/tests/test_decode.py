@@ -2,6 +2,8 @@
 each prompt + response (its log-probs, so also the KV cache under left padding), transformers' top-p warper, and the
 empirical distribution of many draws; with the LM head whole and in slices of the vocabulary."""
 
+import contextlib
+
 import pytest
 import torch
 from tiny_models import tiny_gpt2, tiny_qwen2
@@ -178,3 +180,33 @@ def test_a_cache_grown_in_place_decodes_what_a_concatenated_one_decodes(monkeypa
     concatenated = run()
     assert torch.equal(tokens, concatenated[0])
     assert torch.equal(logp, concatenated[1])
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU")
+def test_packed_linears_decode_bit_for_bit_what_plain_linears_decode(monkeypatch):
+    """A bf16 model's linear layers computing from oneDNN-packed weights during a decode (the LM head too) give the
+    tokens and log-probs of torch's own linear, and are plain linears again afterwards."""
+    model = tiny_qwen2(dtype=torch.bfloat16)
+    ids, mask = left_padded(PROMPTS)
+    packed = []
+    pack = decode_module.packed_linears
+
+    @contextlib.contextmanager
+    def recorded(model):
+        with pack(model):
+            packed.extend(m for m in model.modules() if "forward" in vars(m))
+            yield
+
+    def run():
+        return decode(model, ids, mask, n=2, max_tokens=9, temperature=1.0, top_p=1.0, eos=EOS, pad=PAD,
+                      generator=torch.Generator().manual_seed(5))  # fmt: skip
+
+    monkeypatch.setattr(decode_module, "packed_linears", recorded)
+    tokens, logp = run()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert packed == linears  # every one, the LM head included
+    assert not any("forward" in vars(m) for m in linears)
+    monkeypatch.setattr(decode_module, "packed_linears", lambda _: contextlib.nullcontext())
+    plain = run()
+    assert torch.equal(tokens, plain[0])
+    assert torch.equal(logp, plain[1])
