@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from chat_fixtures import chat_model_dir
+from test_environment_factory import train_on_increment_env
 from test_trainer_vllm import LOGP_DIFF_LIMIT
 
 from lorarl.trainer import default_task
@@ -63,3 +65,12 @@ def test_the_calculator_task_trains_on_vllm(tmp_path, worker):
     assert any(r.get("env/tool_calls", 0) > 0 for r in steps)  # episodes of more than one turn were played
     assert max(r["rollout/abs_logp_diff"] for r in steps) < LOGP_DIFF_LIMIT  # over action tokens only
     assert "val/accuracy" in records[-1]
+
+
+def test_a_trl_environment_trains_on_vllm(tmp_path):
+    """TRL's documented `IncrementEnv` (`env=module:Class`, unchanged) on the real engine: the engine's log-probs of
+    the action tokens as close to the trainer's as single-turn runs keep them."""
+    steps = train_on_increment_env(tmp_path, chat_model_dir(tmp_path / "model", head_dim=32), "rollout.engine=vllm",
+                                   "rollout.dtype=float32", "rollout.vllm.kv_cache_gb=0.25")  # fmt: skip
+    assert len(steps) == 2
+    assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT

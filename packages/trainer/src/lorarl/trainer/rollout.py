@@ -172,14 +172,15 @@ def final_responses(episodes: list[Episode], tokenizer) -> list[rewards.Response
     """What the reward functions see of each episode: its last action, as the response to its data row."""
     last = [e.actions[-1].tokens if e.actions else () for e in episodes]
     texts = tokenizer.batch_decode([list(t) for t in last], skip_special_tokens=True)
-    return [rewards.Response(e.example.prompt, text, e.example.answer, e.example.columns, tokens)
-            for e, text, tokens in zip(episodes, texts, last, strict=True)]  # fmt: skip
+    return [rewards.Response(e.example.prompt, text, e.example.answer, {**e.example.columns, **e.env.reward_columns()},
+                             tokens) for e, text, tokens in zip(episodes, texts, last, strict=True)]  # fmt: skip
 
 
 def episode_returns(episodes: list[Episode], scores: list[scoring.Score]) -> list[float]:
-    """Each episode's return: its environment's rewards, and the reward functions' score of its last action — or,
-    where the environment raised (`env.on_error=score`), `env.error_score` alone."""
-    return [sum(e.rewards) + (0.0 if e.stop_reason == "error" else score.total)
+    """Each episode's return: its environment's rewards (each turn's, and its `final_reward`), and the reward
+    functions' score of its last action — or, where the environment raised (`env.on_error=score`), `env.error_score`
+    alone."""
+    return [sum(e.rewards) + (0.0 if e.stop_reason == "error" else e.env.final_reward() + score.total)
             for score, e in zip(scores, episodes, strict=True)]  # fmt: skip
 
 

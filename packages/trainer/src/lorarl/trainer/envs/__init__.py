@@ -45,6 +45,10 @@ class Environments(Registry[Env]):
             return super()._load(spec)
         except PluginError:
             found = import_object(spec)
+            from lorarl.trainer.envs.factory import factory_environment, is_factory
+
+            if is_factory(found):  # TRL's environment_factory class
+                return Env(name=spec, target=factory_environment(found))
             if not isinstance(found, type):
                 raise PluginError(f"{spec} is a {type(found).__name__}, expected a subclass of "
                                   "lorarl.trainer.envs.Environment (or ChatEnvironment)") from None  # fmt: skip

@@ -87,3 +87,11 @@ class Environment:
     def step(self, action: Action) -> Step:
         """The answer to the engine's `action`."""
         raise NotImplementedError
+
+    def final_reward(self) -> float:
+        """A reward for the whole episode, read once it has ended, however it ended (TRL's `get_reward`)."""
+        return 0.0
+
+    def reward_columns(self) -> dict:
+        """Fields the reward functions get beside the data row's, for this episode (TRL's `environments`)."""
+        return {}

@@ -33,13 +33,14 @@ class Tool:
     schema: dict
 
     @classmethod
-    def from_function(cls, fn: Callable, origin: str = "") -> Tool:
+    def from_function(cls, fn: Callable, origin: str = "", key: str = "env.tools") -> Tool:
+        """`fn` as a tool; an error names it (`origin`) and the configuration `key` it came from."""
         from transformers.utils import get_json_schema
 
         try:
             schema = get_json_schema(fn)
         except Exception as e:
-            raise TrainerError(f"env.tools: {origin or fn!r} is not a usable tool (a function with type hints and a "
+            raise TrainerError(f"{key}: {origin or fn!r} is not a usable tool (a function with type hints and a "
                                f"docstring whose Args: describe each argument): {e}") from None  # fmt: skip
         return cls(schema["function"]["name"], fn, schema)
 
