@@ -1,7 +1,7 @@
 """Multi-turn episodes on the real vLLM CPU engine: a stop string ends a turn where the HF engine's decode ends it,
-each episode of a turn samples with a seed of its own, and the embedded calculator task trains on vLLM — inline and in
-a process of its own — with the engine's log-probs of the action tokens as close to the trainer's as single-turn
-runs keep them."""
+each episode of a turn samples with a seed of its own, and the embedded calculator task (inline and in a process of
+its own), a TRL environment_factory class and a SkyRL-gym environment train on vLLM, with the engine's log-probs of
+the action tokens as close to the trainer's as single-turn runs keep them."""
 
 import json
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from chat_fixtures import chat_model_dir
 from test_environment_factory import train_on_increment_env
+from test_skyrl_gym import train_on_gsm8k
 from test_trainer_vllm import LOGP_DIFF_LIMIT
 
 from lorarl.trainer import default_task
@@ -73,4 +74,14 @@ def test_a_trl_environment_trains_on_vllm(tmp_path):
     steps = train_on_increment_env(tmp_path, chat_model_dir(tmp_path / "model", head_dim=32), "rollout.engine=vllm",
                                    "rollout.dtype=float32", "rollout.vllm.kv_cache_gb=0.25")  # fmt: skip
     assert len(steps) == 2
+    assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT
+
+
+def test_a_skyrl_gym_environment_trains_on_vllm(tmp_path):
+    """SkyRL-gym's `gsm8k_multi_turn` (the real package) on the real engine, with the calculator model that ends its
+    turns: episodes of two turns, the action-token log-probs as close as single-turn runs keep them."""
+    steps = train_on_gsm8k(tmp_path, MODEL, "rollout.engine=vllm", "rollout.dtype=float32",
+                           "rollout.vllm.kv_cache_gb=0.25")  # fmt: skip
+    assert len(steps) == 2
+    assert all(s["env/turns"] > 1 for s in steps)
     assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT

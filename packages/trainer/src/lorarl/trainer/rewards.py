@@ -42,6 +42,12 @@ register_reward("default")(default_task.reward)
 register_reward("math")(math_exact)
 
 
+@register_reward("none")
+def no_reward(prompt: str, response: str, answer: str) -> float:
+    """0 for every response: an environment's own rewards are the whole return (SkyRL-gym's, TRL's get_reward)."""
+    return 0.0
+
+
 def load_reward(spec: str) -> Reward:
     """A registered reward by name, or `package.module:function` / `path/to/file.py:function`: a registered
     (decorated) reward, or a plain function in any of the formats."""

@@ -165,7 +165,7 @@ class RewardSection:
                      "list; verl's compute_score(data_source, solution_str, ground_truth, extra_info). Built-ins: "
                      "default (the embedded task), math (1 if the response's last \\boxed{...}, else the line "
                      "after its last ####, equals the answer's, numerically or as text; no last-number "
-                     "fallback)")  # fmt: skip
+                     "fallback), none (0: an environment's rewards alone)")  # fmt: skip
     fns: list[str] = option([], "several reward functions (as reward.fn), summed with reward.weights; replaces fn")
     weights: list[float] = option([], "weight of each of reward.fns (default: 1 each)")
     workers: int = option(0, "processes scoring the samples (slow rewards: code execution, a judge); 0 = in the "

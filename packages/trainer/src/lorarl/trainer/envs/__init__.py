@@ -10,7 +10,7 @@ settings=...)` to give it settings of its own (`env.<name>.*`) — or left undec
 
 from dataclasses import dataclass
 
-from lorarl.trainer.registry import Plugin, PluginError, Registry, import_object
+from lorarl.trainer.registry import Plugin, PluginError, Registry, import_object, option
 
 SINGLE_TURN = "none"
 
@@ -62,3 +62,15 @@ register_env = ENVIRONMENTS.register
 register_env("tools", about="the model answers the prompt calling env.tools (results fed back as tool messages)")(
     "lorarl.trainer.envs.tools:ToolEnvironment"
 )
+
+
+@dataclass
+class SkyRLGymSettings:
+    id: str = option("gsm8k", "the SkyRL-gym environment (skyrl_gym.make's id: gsm8k, gsm8k_multi_turn, aime, "
+                     "text2sql, search, lcb, …) for rows without an env_class")  # fmt: skip
+
+
+register_env("skyrl_gym", settings=SkyRLGymSettings,
+             about="SkyRL-gym's registered environments (the skyrl-gym extra): env.skyrl_gym.id, or a row's env_class")(
+    "lorarl.trainer.envs.skyrl:SkyRLGymEnvironment"
+)  # fmt: skip
