@@ -44,6 +44,18 @@ class IncrementEnv:
         return None
 
 
+class AsyncIncrementEnv(IncrementEnv):
+    async def double(self) -> int:
+        """
+        Double the counter (an async tool, as TRL allows).
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter *= 2
+        return self.counter
+
+
 def counter_reward(completions, environments, **kwargs) -> list[float]:
     """A TRL reward function reading the environments: how close each counter came."""
     return [-abs(env.counter - env.target) / 10 for env in environments]
@@ -59,25 +71,29 @@ def plugin(tmp_path):
 
 
 def test_a_trl_environment_plays_episodes_with_its_tools_and_rewards(tmp_path):
-    spec = f"{plugin(tmp_path)}:IncrementEnv"
+    spec = f"{plugin(tmp_path)}:AsyncIncrementEnv"
     config = load_config(None, [f"env={spec}", "env.tool_format=hermes"])
     tok = qwen2_style_tokenizer()
     run = EpisodeRunner(config.env, tok, eos=tok.eos_token_id)
     episodes = run.start([ROW, ROW], 1)
     right = [pieces(hermes_call("increment", {"step": 3}), tok), [*pieces("done", tok), "<|im_end|>"]]
-    short = [pieces(hermes_call("increment", {"step": 1}), tok), [*pieces("done", tok), "<|im_end|>"]]
+    short = [
+        pieces(hermes_call("increment", {"step": 1}), tok),
+        pieces(hermes_call("double", {}), tok),
+        [*pieces("done", tok), "<|im_end|>"],
+    ]
     run.play(Script(tok, [right, short]), episodes, SamplingParams(max_tokens=64))
     first = episodes[0].env
     assert first.messages[0] == {"role": "user", "content": "Start. Increment the counter by 3."}
-    assert [t.name for t in first.tools] == ["increment"]  # public methods but reset and get_reward
+    assert [t.name for t in first.tools] == ["double", "increment"]  # public methods but reset and get_reward
     assert "Increment the internal counter." in tok.decode(list(episodes[0].prompt))  # offered through the template
     assert first.messages[2]["content"] == "3"  # the tool ran on this episode's instance
-    assert [e.env.instance.counter for e in episodes] == [3, 1]
+    assert [e.env.instance.counter for e in episodes] == [3, 2]  # 1, doubled by the async tool
     assert [e.stop_reason for e in episodes] == ["answer", "answer"]
     reward = Rewards(load_config(None, [f"reward.fns=[{plugin(tmp_path)}:counter_reward]"]).reward)
     scores = reward.score(final_responses(episodes, tok))
-    assert [s.total for s in scores] == [0.0, -0.2]
-    assert episode_returns(episodes, scores) == [1.0, -0.2]  # get_reward() (weight 1, as TRL) + the reward function
+    assert [s.total for s in scores] == [0.0, -0.1]
+    assert episode_returns(episodes, scores) == [1.0, -0.1]  # get_reward() (weight 1, as TRL) + the reward function
 
 
 def test_a_method_that_cannot_be_a_tool_is_named_when_the_run_is_configured(tmp_path):

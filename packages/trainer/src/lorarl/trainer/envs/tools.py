@@ -11,6 +11,8 @@ format's stop string) or at end-of-sequence; an answer without a call ends the e
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -50,7 +52,13 @@ class Tool:
 
     def __call__(self, arguments: dict) -> str:
         result = self.fn(**arguments)
+        if inspect.isawaitable(result):  # an async tool (TRL awaits them too)
+            result = asyncio.run(_awaited(result))
         return result if isinstance(result, str) else json.dumps(result)
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 def load_tools(specs: list[str]) -> tuple[Tool, ...]:
