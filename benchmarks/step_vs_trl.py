@@ -225,7 +225,7 @@ def run_trl(case: Case, model_path: Path, output: Path, steps: int, settings: Se
                 generations.append(time.perf_counter() - started)
 
     samples = case.prompts * GENERATIONS
-    bf16 = settings.train_dtype == "bfloat16" or settings.autocast == "bfloat16"  # HF Trainer: bf16 autocast
+    bf16 = update_dtype(settings) == "bfloat16"  # HF Trainer: bf16 autocast
     vllm = settings.rollout_engine == "vllm"
     run_to_max = {("min_tokens" if vllm else "min_new_tokens"): case.max_tokens} if case.run_to_max else None
     if vllm:  # TRL has no keys for these: its LLM call gets what lorarl's engine has

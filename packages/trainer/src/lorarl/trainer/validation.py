@@ -122,13 +122,13 @@ def check_rules(config: Config) -> None:
         raise ConfigError("critic.lora.adapter_path is not supported: a critic continues from a checkpoint "
                           "(trainer.resume)")  # fmt: skip
     env = config.env
-    if env.tools and env.name == SINGLE_TURN:
+    if env.tools and single_turn:
         raise ConfigError(f"env.tools={env.tools} needs an environment that calls them: env.name=tools (or your own)")
-    if env.name != SINGLE_TURN and r.overlap:
+    if not single_turn and r.overlap:
         raise ConfigError("rollout.overlap does not play multi-turn episodes (env.name): each turn waits for the "
                           "environment; set rollout.overlap=false")  # fmt: skip
     env_buffer = overlong_buffer(a.overlong_buffer_frac, env.max_tokens)
-    if env.name != SINGLE_TURN and a.overlong_buffer_frac > 0 and env_buffer >= env.max_tokens:
+    if not single_turn and a.overlong_buffer_frac > 0 and env_buffer >= env.max_tokens:
         raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac}: with an environment the buffer "
                           f"is a share of env.max_tokens={env.max_tokens}, and covers all of it")  # fmt: skip
     if r.overlap and placement(r, t.backend) == "inline":

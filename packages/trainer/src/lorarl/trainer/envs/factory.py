@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 
 from lorarl.trainer.envs.base import Environment
 from lorarl.trainer.envs.tools import Tool, ToolEnvironment
@@ -27,10 +28,11 @@ def is_factory(found: object) -> bool:
 
 
 def factory_environment(factory: type) -> type[FactoryEnvironment]:
-    """The lorarl environment that plays `factory`'s episodes; one instance is made here (as TRL probes it), so that
-    a method that cannot be a tool is named when the run is configured, not at its first episode."""
-    tools_of(factory())
-    return type(f"Factory[{factory.__name__}]", (FactoryEnvironment,), {"factory": factory})
+    """The lorarl environment that plays `factory`'s episodes. Its tools are read here, from one instance (as TRL
+    probes it): a method that cannot be a tool is named when the run is configured, and each episode only binds the
+    schemas to its own instance."""
+    return type(f"Factory[{factory.__name__}]", (FactoryEnvironment,),
+                {"factory": factory, "methods": tuple(tools_of(factory()))})  # fmt: skip
 
 
 def tools_of(instance: object) -> list[Tool]:
@@ -45,11 +47,13 @@ class FactoryEnvironment(ToolEnvironment):
     """One episode of a TRL environment: its instance, made and reset when the episode starts."""
 
     factory: Callable[[], object]
+    methods: tuple[Tool, ...]  # the class's tools, bound to the probed instance
 
     def start(self, example) -> list[dict]:
         messages = super().start(example)
         self.instance = self.factory()
-        self.tools = (*self.setup.tools, *tools_of(self.instance))
+        own = (replace(tool, fn=getattr(self.instance, tool.name)) for tool in self.methods)
+        self.tools = (*self.setup.tools, *own)
         observation = self.instance.reset(**{"prompt": example.prompt, "answer": example.answer, **example.columns})
         if observation is not None:
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}

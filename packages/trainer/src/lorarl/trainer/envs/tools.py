@@ -52,13 +52,9 @@ class Tool:
 
     def __call__(self, arguments: dict) -> str:
         result = self.fn(**arguments)
-        if inspect.isawaitable(result):  # an async tool (TRL awaits them too)
-            result = asyncio.run(_awaited(result))
+        if inspect.iscoroutine(result):  # an async tool (TRL awaits them too)
+            result = asyncio.run(result)
         return result if isinstance(result, str) else json.dumps(result)
-
-
-async def _awaited(awaitable):
-    return await awaitable
 
 
 def load_tools(specs: list[str]) -> tuple[Tool, ...]:
