@@ -1,7 +1,7 @@
 """Multi-turn episodes on the real vLLM CPU engine: a stop string ends a turn where the HF engine's decode ends it,
 each episode of a turn samples with a seed of its own, and the embedded calculator task (inline and in a process of
-its own), a TRL environment_factory class and a SkyRL-gym environment train on vLLM, with the engine's log-probs of
-the action tokens as close to the trainer's as single-turn runs keep them."""
+its own), a TRL environment_factory class, a SkyRL-gym environment and verifiers environments train on vLLM, with
+the engine's log-probs of the action tokens as close to the trainer's as single-turn runs keep them."""
 
 import json
 
@@ -11,6 +11,7 @@ from chat_fixtures import chat_model_dir
 from test_environment_factory import train_on_increment_env
 from test_skyrl_gym import train_on_gsm8k
 from test_trainer_vllm import LOGP_DIFF_LIMIT
+from test_verifiers_env import train_on_verifiers
 
 from lorarl.trainer import default_task
 from lorarl.trainer.cli import main
@@ -85,3 +86,14 @@ def test_a_skyrl_gym_environment_trains_on_vllm(tmp_path):
     assert len(steps) == 2
     assert all(s["env/turns"] > 1 for s in steps)
     assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT
+
+
+@pytest.mark.parametrize("loader", ["load_calculator", "load_feedback"])
+def test_a_verifiers_environment_trains_on_vllm(tmp_path, loader):
+    """verifiers' `ToolEnv` (a tool) and `MultiTurnEnv` (feedback), each with a two-function `Rubric`, unchanged on
+    the real engine: the action-token log-probs as close as single-turn runs keep them; the rubric's values logged."""
+    steps = train_on_verifiers(tmp_path, loader, "rollout.engine=vllm", "rollout.dtype=float32",
+                               "rollout.vllm.kv_cache_gb=0.25")  # fmt: skip
+    assert len(steps) == 2
+    assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT
+    assert all("env/correct" in s for s in steps)

@@ -124,6 +124,9 @@ def check_rules(config: Config) -> None:
     env = config.env
     if env.tools and single_turn:
         raise ConfigError(f"env.tools={env.tools} needs an environment that calls them: env.name=tools (or your own)")
+    if env.name == "verifiers" and not env.verifiers.id:
+        raise ConfigError("env=verifiers needs env.verifiers.id: an installed verifiers environment's id, or an import "
+                          "path to a vf.Environment or a function returning one")  # fmt: skip
     if not single_turn and r.overlap:
         raise ConfigError("rollout.overlap does not play multi-turn episodes (env.name): each turn waits for the "
                           "environment; set rollout.overlap=false")  # fmt: skip

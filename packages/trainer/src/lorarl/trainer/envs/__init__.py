@@ -74,3 +74,16 @@ register_env("skyrl_gym", settings=SkyRLGymSettings,
              about="SkyRL-gym's registered environments (the skyrl-gym extra): env.skyrl_gym.id, or a row's env_class")(
     "lorarl.trainer.envs.skyrl:SkyRLGymEnvironment"
 )  # fmt: skip
+
+
+@dataclass
+class VerifiersSettings:
+    id: str = option("", "the verifiers environment: an installed one's id (vf.load_environment), or an import path "
+                     "(module:name, path/to/file.py:name) to a vf.Environment or a function returning one")  # fmt: skip
+    args: dict = option({}, "keyword arguments of load_environment (or of the function env.verifiers.id names)")
+
+
+register_env("verifiers", settings=VerifiersSettings,
+             about="verifiers environments, unchanged (the verifiers extra): env.verifiers.id, env.verifiers.args")(
+    "lorarl.trainer.envs.verifiers_env:VerifiersEnvironment"
+)  # fmt: skip

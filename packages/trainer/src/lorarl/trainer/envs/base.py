@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lorarl.trainer.data import Example
+    from lorarl.trainer.envs.episodes import Episode
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,15 @@ class Observation:
 
 @dataclass(frozen=True)
 class Action:
-    """What the engine sampled in one turn: its token ids, their text (decoded once, for parsing), and whether it
-    ended on the end-of-sequence token (`eos`) or a stop string (`stopped`), rather than being cut at a length."""
+    """What the engine sampled in one turn: its token ids, their text (decoded once, for parsing), whether it ended
+    on the end-of-sequence token (`eos`) or a stop string (`stopped`), rather than being cut at a length, and the
+    engine's log-probs of its tokens."""
 
     tokens: tuple[int, ...]
     text: str
     eos: bool
     stopped: bool
+    logprobs: tuple[float, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -95,3 +98,9 @@ class Environment:
     def reward_columns(self) -> dict:
         """Fields the reward functions get beside the data row's, for this episode (TRL's `environments`)."""
         return {}
+
+    @classmethod
+    def conclude(cls, groups: list[list[Episode]]) -> None:
+        """A batch's episodes once every one has ended, grouped by data row: for what an environment does with a
+        whole group (a rubric that scores a group together) or with how an episode ended (a last action cut at a
+        length, which no `step` sees)."""

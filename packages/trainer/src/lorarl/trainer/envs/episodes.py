@@ -112,7 +112,15 @@ class EpisodeRunner:
         episode.segments.append(Segment(episode.prompt))
 
     def play(self, generate: Callable, episodes: list[Episode], sampling) -> None:
-        """Every episode to its end: each turn, one `generate(contexts, sampling)` call for all live episodes."""
+        """Every episode to its end: each turn, one `generate(contexts, sampling)` call for all live episodes; then
+        the environment's `conclude` on the batch, grouped by data row."""
+        self._turns(generate, episodes, sampling)
+        groups: dict[int, list[Episode]] = {}
+        for episode in episodes:
+            groups.setdefault(episode.index, []).append(episode)
+        self.environment.conclude(list(groups.values()))
+
+    def _turns(self, generate: Callable, episodes: list[Episode], sampling) -> None:
         s = self.section
         for turn in range(s.max_turns):
             live = [e for e in episodes if not e.done]
@@ -133,7 +141,7 @@ class EpisodeRunner:
         cut = len(tokens) < len(completion.token_ids)
         finished = completion.finished and not cut
         eos = finished and tokens[-1] == self.eos
-        action = Action(tuple(tokens), self.tokenizer.decode(list(tokens)), eos, finished and not eos)
+        action = Action(tuple(tokens), self.tokenizer.decode(list(tokens)), eos, finished and not eos, tuple(logprobs))
         episode.segments[-1].add(tokens, logprobs)
         episode.actions.append(action)
         episode.versions.append(completion.version)
