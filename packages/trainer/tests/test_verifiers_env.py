@@ -17,7 +17,7 @@ from lorarl.trainer.data import Example
 from lorarl.trainer.engines import SamplingParams
 from lorarl.trainer.envs.episodes import EpisodeRunner
 from lorarl.trainer.envs.openai_client import renderable
-from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.errors import ConfigError, TrainerError
 from lorarl.trainer.rollout import episode_returns, final_responses
 from lorarl.trainer.scoring import Rewards
 
@@ -109,7 +109,7 @@ def test_episodes_cut_short_end_their_rollouts_as_a_server_would():
 
 
 def test_an_environment_that_cannot_be_loaded_is_named():
-    with pytest.raises(TrainerError, match=r"^env=verifiers needs env.verifiers.id"):
+    with pytest.raises(ConfigError, match=r"^env=verifiers needs env.verifiers.id"):
         load_config(None, ["env=verifiers"])
     tok = build_tokenizer()
     config = load_config(None, ["env=verifiers", f"env.verifiers.id={FIXTURES}:missing"])
