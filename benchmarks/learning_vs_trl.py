@@ -101,11 +101,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class Progress:
-    """A run's clock (from its process's launch) and its saved adapters: one per `save_every` steps, the time spent
-    saving taken off the clock."""
+    """A run's clock (from its process's launch) and its saved adapters: one per `save_every` steps (0: none) and at
+    the end (the budget spent, or step `last_step`), the time spent saving taken off the clock."""
 
-    def __init__(self, output: Path, launched: float, budget_s: float, save_every: int):
+    def __init__(self, output: Path, launched: float, budget_s: float, save_every: int, *,
+                 samples_per_step: int = PROMPTS * GENERATIONS, last_step: int = STEPS):  # fmt: skip
         self.output, self.launched, self.budget_s, self.save_every = output, launched, budget_s, save_every
+        self.samples_per_step, self.last_step = samples_per_step, last_step
         self.saving_s = 0.0
         self.points: list[dict] = []
 
@@ -115,9 +117,9 @@ class Progress:
     def step_done(self, step: int, model, metrics: dict) -> bool:
         """Record a finished step (saving the adapter at the marks); whether the budget is spent."""
         wall = self.wall_s()
-        point = {"step": step, "wall_s": wall, "samples": step * PROMPTS * GENERATIONS, **metrics}
+        point = {"step": step, "wall_s": wall, "samples": step * self.samples_per_step, **metrics}
         spent = wall >= self.budget_s
-        if step % self.save_every == 0 or spent or step == STEPS:
+        if self.save_every and (step % self.save_every == 0 or spent or step == self.last_step):
             started = time.time()
             point["adapter"] = str(self.output / f"step-{step}")
             model.save_pretrained(point["adapter"])
@@ -163,12 +165,12 @@ def run_lorarl(
         trainer.run()
 
 
-def trl_prompt_order(rows: list[dict], seed: int) -> list[dict]:
-    """The training rows in the order lorarl's trainer draws them for `seed`, for the recipe's steps."""
+def trl_prompt_order(rows: list[dict], seed: int, prompts: int = PROMPTS, steps: int = STEPS) -> list[dict]:
+    """The training rows in the order lorarl's trainer draws them for `seed`, `prompts` a step, for `steps` steps."""
     from lorarl.trainer.data import PromptSampler
 
-    sampler = PromptSampler(len(rows), PROMPTS, seed)
-    return [rows[i] for _ in range(STEPS) for i in sampler.next_batch()]
+    sampler = PromptSampler(len(rows), prompts, seed)
+    return [rows[i] for _ in range(steps) for i in sampler.next_batch()]
 
 
 def run_trl(model_dir: Path, data_dir: Path, progress: Progress, seed: int, reward: str, overrides: list[str]) -> None:
@@ -346,7 +348,8 @@ def summarize(runs: list[dict], base: float, budget_s: float) -> dict:
     return out
 
 
-def plot(summary: dict, path: Path) -> None:
+def plot(summary: dict, path: Path, title: str = "SmolLM2-135M-Instruct, two-digit addition, GRPO + LoRA r16, 2 vCPUs",
+         steps_label: str = "step (8 prompts x 8 responses)") -> None:  # fmt: skip
     """Accuracy against wall time (to the budget) and against steps: each side's mean over seeds, its spread shaded."""
     import matplotlib
 
@@ -369,12 +372,12 @@ def plot(summary: dict, path: Path) -> None:
     if "trl_best_mean_accuracy" in summary:
         by_time.axhline(summary["trl_best_mean_accuracy"], color="gray", lw=0.8, ls="--", label="TRL's best mean")
     by_time.set_xlabel("wall time (minutes, from launch)")
-    by_step.set_xlabel("step (8 prompts x 8 responses)")
+    by_step.set_xlabel(steps_label)
     by_time.set_ylabel("greedy validation accuracy")
     by_time.set_ylim(0, 1)
     by_time.legend(loc="lower right")
     by_step.legend(loc="lower right")
-    fig.suptitle("SmolLM2-135M-Instruct, two-digit addition, GRPO + LoRA r16, 2 vCPUs")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -113,6 +113,29 @@ def test_verl_rows_chat_messages_and_nested_answers(tmp_path):
                        chat_template=False)  # fmt: skip
 
 
+def test_prompt_messages_keep_their_tool_calls(tmp_path):
+    """A worked tool call in a prompt (an assistant's `tool_calls`, the tool's reply) reaches the template as written;
+    the fields a parquet table leaves empty (None, where other messages have them) are dropped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lorarl.trainer.calculator_task import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    call = {"type": "function", "function": {"name": "mul", "arguments": {"a": 12, "b": 3}}}
+    prompt = [{"role": "user", "content": "12*3"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+              {"role": "tool", "content": "36"}, {"role": "assistant", "content": "36"},
+              {"role": "user", "content": "45*6"}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist([{"prompt": prompt, "answer": "270"}]), tmp_path / "train.parquet")
+    read = read_rows([str(tmp_path / "train.parquet")], default_file="train.jsonl")
+    assert read[0].fields["prompt"][0]["tool_calls"] is None  # what the table made of the message without one
+    (example,), _ = build_examples(read, tokenizer, prompt_key="prompt", answer_key="answer", max_prompt_tokens=100,
+                                   chat_template=True)  # fmt: skip
+    expected = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(list(example.prompt_ids)) == expected
+    assert "<call>mul 12 3</call>" in expected
+
+
 def test_chat_template_is_applied_when_the_tokenizer_has_one():
     tokenizer = default_task.build_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"

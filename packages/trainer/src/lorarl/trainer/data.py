@@ -181,11 +181,13 @@ def _prompt_ids(prompt, tokenizer, use_template: bool, system_prompt: str | None
 
 
 def prompt_messages(prompt, system_prompt: str | None, where: str) -> list[dict]:
-    """A data row's prompt (text, or {role, content} messages) as chat messages, with `data.system_prompt`."""
+    """A data row's prompt (text, or {role, content} messages) as chat messages, with `data.system_prompt`. A
+    message keeps its other fields (an assistant's `tool_calls`, a tool's `name`) but those a table left empty (None:
+    a column other rows fill)."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
-        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        messages = [{k: v for k, v in m.items() if v is not None or k == "content"} for m in prompt]
     else:
         raise TrainerError(f"{where}: the prompt must be text or a list of {{role, content}} messages, got "
                            f"{type(prompt).__name__}")  # fmt: skip
