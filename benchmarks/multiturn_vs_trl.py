@@ -11,7 +11,9 @@ Both sides get the same:
 - **Prompts.** A system prompt that describes the tool, one worked conversation, then `What is a * b?` (three digits
   by two). 4 prompts per step, 8 episodes each, in lorarl's seeded order on both sides. At most 3 turns and 96 tokens
   per episode: TRL's `max_tool_calling_iterations=2`, `max_completion_length=96`.
-- **Training.** LoRA rank 16, alpha 32 on all linear layers. AdamW, lr 5e-4 constant, no warmup, no weight decay,
+- **Training.** LoRA rank 16, alpha 32 on all linear layers. The update in micro-batches: lorarl's by tokens (its
+  default `actor.micro_batch_tokens`), TRL's two of 16 episodes (`gradient_accumulation_steps=2`: in one, TRL's peak
+  reached the 24 GB machine's memory). AdamW, lr 5e-4 constant, no warmup, no weight decay,
   grad clip 1.0. GRPO advantages (group mean and std), token-mean loss (TRL's `dapo`), clip 0.2, one optimizer step
   per batch, no KL term. fp32, no gradient checkpointing.
 
@@ -32,6 +34,8 @@ the process tree, the tool calls per episode, and both sides' mean reward.
 
 `--learning` runs `smollm2` with `--seeds` runs per side, each against a wall-clock budget, as learning_vs_trl.py
 does: adapters are saved along the way, then one evaluator grades every adapter from both sides the same way. The
+runs alternate sides (lorarl, TRL for each seed), so their steps also time the case: the median over runs of each
+run's median step, and the peak RSS. The
 evaluator is lorarl's `trainer eval` protocol: greedy episodes with the tool, on the first `--val-problems` held-out
 problems. It reports TRL's best mean accuracy, when each side's mean first reaches it, and a PNG of the curves.
 
@@ -59,6 +63,9 @@ HERE = Path(__file__).resolve()
 SIDES = ("lorarl", "trl")
 CASES = ("random-qwen2", "smollm2")
 PROMPTS, GENERATIONS, MAX_TURNS, MAX_TOKENS, LR, RANK, ALPHA, SEED = 4, 8, 3, 96, 5e-4, 16, 32.0, 0
+# TRL's update in two micro-batches of 16 episodes (one optimizer step per 32, all generated at once): in one, its peak
+# (the logits of 32 sequences of ~330 tokens over SmolLM2's 49152 words, in fp32) was 24.4 GB, the machine's memory
+TRL_MICRO_BATCHES = 2
 TEMPLATE = (
     "{%- for m in messages -%}"
     "{{- '<|im_start|>' + m['role'] + '\n' -}}"
@@ -211,8 +218,9 @@ def run_trl(model: Path, task: Path, progress: Progress, seed: int, steps: int) 
                 control.should_training_stop = True
 
     args = GRPOConfig(
-        output_dir=str(progress.output / "run"), max_steps=steps, per_device_train_batch_size=PROMPTS * GENERATIONS,
-        gradient_accumulation_steps=1, num_generations=GENERATIONS, max_completion_length=MAX_TOKENS,
+        output_dir=str(progress.output / "run"), max_steps=steps,
+        per_device_train_batch_size=PROMPTS * GENERATIONS // TRL_MICRO_BATCHES,
+        gradient_accumulation_steps=TRL_MICRO_BATCHES, num_generations=GENERATIONS, max_completion_length=MAX_TOKENS,
         max_tool_calling_iterations=MAX_TURNS - 1, temperature=1.0, top_p=1.0, learning_rate=LR,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, beta=0.0, loss_type="dapo",
         epsilon=0.2, bf16=False, gradient_checkpointing=False, shuffle_dataset=False, use_cpu=True, logging_steps=1,
@@ -320,7 +328,12 @@ def learning(model: Path, task: Path, workdir: Path, args, emit) -> dict:
                 del point["adapter"]
             runs.append(run)
             emit(run)
-    return summarize(runs, base, args.budget_s)
+    summary = {"case": "smollm2", **summarize(runs, base, args.budget_s)}
+    for side in SIDES:  # the runs are interleaved (lorarl, TRL per seed): their steps time the case too
+        summary[f"{side}_s_per_step"] = statistics.median(step_seconds(r) for r in runs if r["side"] == side)
+    summary["speedup"] = summary["trl_s_per_step"] / summary["lorarl_s_per_step"]
+    summary["memory_ratio"] = summary["peak_rss_gb"]["lorarl"] / summary["peak_rss_gb"]["trl"]
+    return summary
 
 
 def main() -> None:

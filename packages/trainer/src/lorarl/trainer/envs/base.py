@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lorarl.trainer.data import Example
-    from lorarl.trainer.envs.episodes import Episode
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class Environment:
         return {}
 
     @classmethod
-    def conclude(cls, groups: list[list[Episode]]) -> None:
-        """A batch's episodes once every one has ended, grouped by data row: for what an environment does with a
-        whole group (a rubric that scores a group together) or with how an episode ended (a last action cut at a
-        length, which no `step` sees)."""
+    def conclude(cls, groups: list[list]) -> None:
+        """A batch's episodes (`episodes.Episode`) once every one has ended, grouped by data row: for what an
+        environment does with a whole group (a rubric that scores a group together) or with how an episode ended (a
+        last action cut at a length, which no `step` sees)."""
