@@ -40,7 +40,7 @@ evaluator is lorarl's `trainer eval` protocol: greedy episodes with the tool, on
 problems. It reports TRL's best mean accuracy, when each side's mean first reaches it, and a PNG of the curves.
 
     uv run --group bench python benchmarks/multiturn_vs_trl.py --speed [--quick] [--cases random-qwen2,smollm2]
-    uv run --group bench python benchmarks/multiturn_vs_trl.py --learning [--quick] [--seeds 3] [--budget-s 480]
+    uv run --group bench python benchmarks/multiturn_vs_trl.py --learning [--quick] [--seeds 3] [--budget-s 240]
         [--out OUT.jsonl]   # then: scripts/results.py record multiturn_vs_trl
 """
 
@@ -345,11 +345,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="--speed: runs per side and case (interleaved)")
     parser.add_argument("--steps", type=int, default=6, help="--speed: steps per run")
     parser.add_argument("--seeds", type=int, default=3, help="--learning: runs per side (seeds 0..N-1)")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="--learning: wall budget of each run")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="--learning: wall budget of each run")
     parser.add_argument("--max-steps", type=int, default=60, help="--learning: steps at most, within the budget")
-    parser.add_argument("--lorarl-save-every", type=int, default=3, help="--learning: lorarl's steps between adapters")
+    parser.add_argument("--lorarl-save-every", type=int, default=1, help="--learning: lorarl's steps between adapters")
     parser.add_argument("--trl-save-every", type=int, default=1, help="--learning: TRL's steps between adapters")
-    parser.add_argument("--val-problems", type=int, default=50, help="--learning: held-out problems graded")
+    parser.add_argument("--val-problems", type=int, default=20, help="--learning: held-out problems graded")
     parser.add_argument("--data", default="outputs/smollm2", help="where the recipe's model and problems are fetched")
     parser.add_argument("--out", help="JSONL file for the results (the PNG beside it); default: stdout only")
     for hidden in ("--worker", "--evaluate", "--model", "--task", "--output", "--result"):

@@ -74,3 +74,19 @@ def add(a: int, b: int) -> int:
 
 def hermes_call(name: str, arguments: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def train_two_steps(tmp_path: Path, model: Path, rows: list[dict], *settings: str) -> list[dict]:
+    """Two steps of a run on `rows` (its training and validation data; 4 prompts a step, 2 episodes each): the
+    steps' metrics."""
+    from lorarl.trainer.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    code = main([f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]", "data.batch_size=4",
+                 "rollout.n=2", "trainer.steps=2", "trainer.eval_every=0", f"trainer.output_dir={out}",
+                 *settings])  # fmt: skip
+    assert code == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [s for s in steps if s["step"] > 0]

@@ -2,10 +2,8 @@
 `reset(**row)` appended to the last prompt message, its public methods the model's tools, `get_reward()` in the
 episode's return, `environments=` handed to TRL-style reward functions — and a run trains on them."""
 
-import json
-
 import pytest
-from chat_fixtures import chat_model_dir, hermes_call, qwen2_style_tokenizer
+from chat_fixtures import chat_model_dir, hermes_call, qwen2_style_tokenizer, train_two_steps
 from test_multiturn import Script, pieces
 
 from lorarl.trainer.config import load_config
@@ -108,19 +106,11 @@ def test_a_method_that_cannot_be_a_tool_is_named_when_the_run_is_configured(tmp_
 
 def train_on_increment_env(tmp_path, model, *extra: str) -> list[dict]:
     """Two steps of a run on TRL's `IncrementEnv` and its reward function: the steps' metrics."""
-    from lorarl.trainer.cli import main
-
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "Start.", "answer": "", "target": t}) + "\n" for t in range(1, 9)))
-    out = tmp_path / "out"
+    rows = [{"prompt": "Start.", "answer": "", "target": t} for t in range(1, 9)]
     path = plugin(tmp_path)
-    code = main([f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
-                 f"env={path}:IncrementEnv", "env.tool_format=hermes", "env.max_tokens=48", "rollout.max_tokens=16",
-                 "data.batch_size=4", "rollout.n=2", f"reward.fns=[{path}:counter_reward]", "trainer.steps=2",
-                 "trainer.eval_every=0", f"trainer.output_dir={out}", *extra])  # fmt: skip
-    assert code == 0
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [s for s in steps if s["step"] > 0]
+    return train_two_steps(tmp_path, model, rows, f"env={path}:IncrementEnv", "env.tool_format=hermes",
+                           "env.max_tokens=48", "rollout.max_tokens=16", f"reward.fns=[{path}:counter_reward]",
+                           *extra)  # fmt: skip
 
 
 def test_a_run_trains_on_a_trl_environment(tmp_path):

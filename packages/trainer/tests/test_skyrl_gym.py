@@ -2,10 +2,8 @@
 after each action as the template renders it, each turn's reward is SkyRL's own `compute_score`, a data row's
 `env_class` and `reward_spec` are SkyRL's — and a run trains on it."""
 
-import json
-
 import pytest
-from chat_fixtures import qwen2_style_tokenizer
+from chat_fixtures import qwen2_style_tokenizer, train_two_steps
 from skyrl_gym.envs.gsm8k.utils import compute_score
 from test_multiturn import Script, pieces
 
@@ -41,19 +39,9 @@ def test_a_skyrl_gym_environment_plays_its_turns_with_its_rewards():
 
 def train_on_gsm8k(tmp_path, model, *extra: str) -> list[dict]:
     """Two steps on SkyRL-gym's `gsm8k_multi_turn` with no reward function beside it: the steps' metrics."""
-    from lorarl.trainer.cli import main
-
-    data = tmp_path / "train.jsonl"
     rows = [{"prompt": f"What is {a}+{a}?", "answer": str(2 * a), "extra_info": {"max_turns": 2}} for a in range(8)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    code = main([f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]", "env=skyrl_gym",
-                 "env.skyrl_gym.id=gsm8k_multi_turn", "reward.fn=none", "env.max_tokens=40", "rollout.max_tokens=12",
-                 "data.batch_size=4", "rollout.n=2", "trainer.steps=2", "trainer.eval_every=0",
-                 f"trainer.output_dir={out}", *extra])  # fmt: skip
-    assert code == 0
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [s for s in steps if s["step"] > 0]
+    return train_two_steps(tmp_path, model, rows, "env=skyrl_gym", "env.skyrl_gym.id=gsm8k_multi_turn",
+                           "reward.fn=none", "env.max_tokens=40", "rollout.max_tokens=12", *extra)  # fmt: skip
 
 
 def test_a_run_trains_on_a_skyrl_gym_environment(tmp_path):

@@ -3,11 +3,11 @@ feedback, scored by `Rubric`s of two weighted functions, play their own rollouts
 client — verifiers' recorded trajectory holds the engine's ids and log-probs, the training sample is those ids and
 exactly what the template renders between them — and a run trains on them."""
 
-import json
 from pathlib import Path
 
 import pytest
 import verifiers_envs
+from chat_fixtures import train_two_steps
 from test_multiturn import Script, pieces
 
 from lorarl.trainer import default_task
@@ -130,21 +130,11 @@ def test_without_the_extra_the_run_is_refused_in_one_line(monkeypatch):
 
 def train_on_verifiers(tmp_path, loader: str, *extra: str) -> list[dict]:
     """Two steps of the embedded calculator model on a verifiers environment, its rubric the only reward."""
-    from lorarl.trainer.cli import main
-
-    data = tmp_path / "train.jsonl"
     pairs = [(123, 45), (321, 54), (456, 78), (654, 87), (789, 12), (987, 21), (111, 11), (222, 22)]
     rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}"}], "answer": str(a * b)} for a, b in pairs]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    code = main([f"model.path={default_task.EMBEDDED['calculator']}", f"data.train_files=[{data}]",
-                 f"data.val_files=[{data}]", "env=verifiers", f"env.verifiers.id={FIXTURES}:{loader}",
-                 "env.tool_format=compact", "reward.fn=none", "env.max_tokens=48", "rollout.max_tokens=16",
-                 "data.batch_size=4", "rollout.n=2", "trainer.steps=2", "trainer.eval_every=0",
-                 f"trainer.output_dir={out}", *extra])  # fmt: skip
-    assert code == 0
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [s for s in steps if s["step"] > 0]
+    return train_two_steps(tmp_path, default_task.EMBEDDED["calculator"], rows, "env=verifiers",
+                           f"env.verifiers.id={FIXTURES}:{loader}", "env.tool_format=compact", "reward.fn=none",
+                           "env.max_tokens=48", "rollout.max_tokens=16", *extra)  # fmt: skip
 
 
 @pytest.mark.parametrize("loader", ["load_calculator", "load_feedback"])
