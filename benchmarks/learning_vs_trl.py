@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from step_vs_trl import GB, run_measured
@@ -136,6 +137,21 @@ class BudgetSpent(Exception):
     pass
 
 
+def run_budgeted(trainer, progress: Progress, kept: Callable[[dict], dict]) -> None:
+    """lorarl's `trainer` run, each step recorded by `progress` (`kept` of its metrics) until the budget is spent."""
+    train_step = trainer.train_step
+
+    def step(n: int) -> dict:
+        metrics = train_step(n)
+        if progress.step_done(n, trainer.model, kept(metrics)):
+            raise BudgetSpent
+        return metrics
+
+    trainer.train_step = step
+    with contextlib.suppress(BudgetSpent):
+        trainer.run()
+
+
 def run_lorarl(
     model_dir: Path, data_dir: Path, progress: Progress, seed: int, reward: str, overrides: list[str]
 ) -> None:
@@ -148,21 +164,9 @@ def run_lorarl(
         "trainer.save_every=0", f"trainer.output_dir={progress.output / 'run'}", f"trainer.seed={seed}",
         f"reward.fn={RECIPE / 'reward.py'}:{reward}", *overrides,
     ])  # fmt: skip
-    trainer = Trainer(config)
-    train_step = trainer.train_step
-
-    def step(n: int) -> dict:
-        metrics = train_step(n)
-        kept = {"reward": metrics["reward/mean"], "entropy": metrics["entropy"], "grad_norm": metrics["grad_norm"],
-                "length": metrics["response_length/mean"],
-                "truncated": metrics["response_length/truncated"]}  # fmt: skip
-        if progress.step_done(n, trainer.model, kept):
-            raise BudgetSpent
-        return metrics
-
-    trainer.train_step = step
-    with contextlib.suppress(BudgetSpent):
-        trainer.run()
+    run_budgeted(Trainer(config), progress, lambda metrics: {
+        "reward": metrics["reward/mean"], "entropy": metrics["entropy"], "grad_norm": metrics["grad_norm"],
+        "length": metrics["response_length/mean"], "truncated": metrics["response_length/truncated"]})  # fmt: skip
 
 
 def trl_prompt_order(rows: list[dict], seed: int, prompts: int = PROMPTS, steps: int = STEPS) -> list[dict]:

@@ -45,7 +45,6 @@ problems. It reports TRL's best mean accuracy, when each side's mean first reach
 """
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -55,7 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from learning_vs_trl import BudgetSpent, Progress, read_jsonl, recipe_module, summarize, trl_prompt_order
+from learning_vs_trl import Progress, read_jsonl, recipe_module, run_budgeted, summarize, trl_prompt_order
 from learning_vs_trl import plot as plot_curves
 from step_vs_trl import GB, QWEN2_46M, run_measured
 
@@ -180,19 +179,11 @@ def run_lorarl(model: Path, task: Path, progress: Progress, seed: int, steps: in
     config = load_config(None, overrides=[*lorarl_overrides(model, task), f"trainer.steps={steps}",
                                           "trainer.eval_every=0", f"trainer.output_dir={progress.output / 'run'}",
                                           f"trainer.seed={seed}"])  # fmt: skip
-    trainer = Trainer(config)
-    train_step = trainer.train_step
-
-    def step(n: int) -> dict:
-        metrics = train_step(n)
-        kept = {"reward": metrics["reward/mean"], "tool_calls": metrics.get("env/tool_calls", 0.0)}
-        if progress.step_done(n, trainer.model, kept):
-            raise BudgetSpent
-        return metrics
-
-    trainer.train_step = step
-    with contextlib.suppress(BudgetSpent):
-        trainer.run()
+    run_budgeted(
+        Trainer(config),
+        progress,
+        lambda metrics: {"reward": metrics["reward/mean"], "tool_calls": metrics.get("env/tool_calls", 0.0)},
+    )
 
 
 def run_trl(model: Path, task: Path, progress: Progress, seed: int, steps: int) -> None:

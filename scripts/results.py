@@ -57,6 +57,16 @@ def learning_vs_trl(rows: list[dict]) -> str:
     return "; ".join(parts) or f"{len(rows)} rows"
 
 
+def multiturn_vs_trl(rows: list[dict]) -> str:
+    speed = [r for r in rows if "speedup" in r]
+    parts = []
+    if speed:
+        parts.append(f"speedup over TRL: {per_case(speed, 'case', 'speedup')}; memory "
+                     f"{spread([r['memory_ratio'] for r in speed])} of TRL's")  # fmt: skip
+    learning = learning_vs_trl([r for r in rows if r.get("summary")])
+    return "; ".join([*parts, learning] if any(r.get("summary") for r in rows) else parts) or f"{len(rows)} rows"
+
+
 def merge_throughput(rows: list[dict]) -> str:
     parts = []
     for backend, group in by([r for r in rows if "ratio_to_copy" in r and "model" not in r], "backend").items():
@@ -104,6 +114,7 @@ def gpu_check(rows: list[dict]) -> str:
 BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "step_vs_trl": (ROOT / "benchmarks/results/step_vs_trl.jsonl", step_vs_trl),
     "learning_vs_trl": (ROOT / "benchmarks/results/learning_vs_trl.jsonl", learning_vs_trl),
+    "multiturn_vs_trl": (ROOT / "benchmarks/results/multiturn_vs_trl.jsonl", multiturn_vs_trl),
     "sync_modes": (ROOT / "benchmarks/results/sync_modes.jsonl", sync_modes),
     "rollout_throughput": (ROOT / "benchmarks/results/rollout_throughput.jsonl", rollout_throughput),
     "multiturn_rollout": (ROOT / "benchmarks/results/multiturn_rollout.jsonl", multiturn_rollout),
