@@ -278,13 +278,33 @@ def run_side(side: str, seed: int, model_dir: Path, data_dir: Path, workdir: Pat
 
 
 def evaluate_in_process(model_dir: Path, data_dir: Path, problems: int, adapters: list[str | None]) -> list[float]:
-    """The accuracy of each adapter (`grade`), in a process of its own (the driver stays light, and the next timed
-    run starts on a quiet machine)."""
+    """The accuracy of each adapter (`grade`), in a process of its own."""
+    options = ["--model", str(model_dir), "--data", str(data_dir), "--val-problems", str(problems)]
+    return graded_in_process(Path(__file__), adapters, options)
+
+
+def graded_in_process(script: Path, adapters: list[str | None], options: list[str]) -> list[float]:
+    """`script --evaluate` with `options`: the accuracy of each adapter, graded in a process of its own (the driver
+    stays light, and the next timed run starts on a quiet machine)."""
     with tempfile.NamedTemporaryFile("w+", suffix=".json") as result:
-        command = [sys.executable, __file__, "--evaluate", json.dumps(adapters), "--model", str(model_dir),
-                   "--data", str(data_dir), "--val-problems", str(problems), "--result", result.name]  # fmt: skip
+        command = [sys.executable, str(script), "--evaluate", json.dumps(adapters), *options, "--result", result.name]
         run_measured(command, "the evaluator")
         return json.loads(Path(result.name).read_text())
+
+
+def json_lines_writer(out: Path | None) -> Callable[[dict], None]:
+    """An `emit(result)` that prints each result as a JSON line and rewrites `out` with all of them so far (a run
+    stopped midway keeps what it measured)."""
+    lines = []
+
+    def emit(obj: dict) -> None:
+        print(json.dumps(obj), flush=True)
+        lines.append(json.dumps(obj))
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("\n".join(lines) + "\n")
+
+    return emit
 
 
 def accuracy_at(run: dict, wall_s: float, base: float) -> float:
@@ -449,18 +469,10 @@ def main() -> None:
     data_dir = Path(args.data)
     model_dir = prepare(data_dir)
     out = Path(args.out) if args.out else None
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
     from lorarl.lora_merge import available_backends
 
     available_backends("cpu")  # lorarl's C++ merge op is built on first use, then cached: not inside a timed run
-    lines = []
-
-    def emit(obj: dict) -> None:
-        print(json.dumps(obj), flush=True)
-        lines.append(json.dumps(obj))
-        if out is not None:
-            out.write_text("\n".join(lines) + "\n")
+    emit = json_lines_writer(out)
 
     with tempfile.TemporaryDirectory(prefix="learning_vs_trl-") as workdir:
         (base,) = evaluate_in_process(model_dir, data_dir, args.val_problems, [None])

@@ -54,7 +54,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from learning_vs_trl import Progress, read_jsonl, recipe_module, run_budgeted, summarize, trl_prompt_order
+from learning_vs_trl import (
+    Progress,
+    graded_in_process,
+    json_lines_writer,
+    read_jsonl,
+    recipe_module,
+    run_budgeted,
+    summarize,
+    trl_prompt_order,
+)
 from learning_vs_trl import plot as plot_curves
 from step_vs_trl import GB, QWEN2_46M, run_measured
 
@@ -297,12 +306,9 @@ def grade(model: Path, task: Path, problems: int, adapters: list[str | None]) ->
 
 
 def evaluate_in_process(model: Path, task: Path, problems: int, adapters: list[str | None]) -> list[float]:
-    """`grade`, in a process of its own (the next timed run starts on a quiet machine)."""
-    with tempfile.NamedTemporaryFile("w+", suffix=".json") as result:
-        command = [sys.executable, str(HERE), "--evaluate", json.dumps(adapters), "--model", str(model),
-                   "--task", str(task), "--val-problems", str(problems), "--result", result.name]  # fmt: skip
-        run_measured(command, "the evaluator")
-        return json.loads(Path(result.name).read_text())
+    """`grade`, in a process of its own."""
+    options = ["--model", str(model), "--task", str(task), "--val-problems", str(problems)]
+    return graded_in_process(HERE, adapters, options)
 
 
 def learning(model: Path, task: Path, workdir: Path, args, emit) -> dict:
@@ -371,14 +377,7 @@ def main() -> None:
 
     available_backends("cpu")  # lorarl's C++ merge op is built on first use, then cached: not inside a timed run
     out = Path(args.out) if args.out else None
-    lines = []
-
-    def emit(obj: dict) -> None:
-        print(json.dumps(obj), flush=True)
-        lines.append(json.dumps(obj))
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("\n".join(lines) + "\n")
+    emit = json_lines_writer(out)
 
     data_dir = Path(args.data)
     with tempfile.TemporaryDirectory(prefix="multiturn_vs_trl-") as scratch:
