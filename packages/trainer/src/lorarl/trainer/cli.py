@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             return _export(argv[1:], console)
         if argv and argv[0] == "eval":
             return _eval(argv[1:], console)
+        if argv and argv[0] == "serve":
+            from lorarl.trainer.serve.server import main as serve
+
+            return serve(argv[1:])
         files, overrides = _split(argv)
         config = load_config(files[0] if files else None, overrides, presets=PRESETS)
         t = config.trainer

@@ -1,0 +1,425 @@
+"""`trainer serve`: an HTTP server speaking the Tinker API as the `tinker` SDK sends it (JSON bodies, protobuf for
+`forward_backward` and for the results of it and of sampling), over lorarl's models: many LoRA training runs and
+samplers on shared base models, in one process.
+
+Work requests answer at once with a request id; the result is fetched with `retrieve_future` (long-polled: held until
+it is ready or `POLL_S` passes, then `try_again`). Compute runs on one thread, in arrival order, except that one
+training run's requests run in their `seq_id` order (the SDK sends `optim_step` before the `forward_backward` before it
+has finished uploading). A request that fails fails its own future only: `{"error", "category": "user"|"server"}`,
+one line, no traceback."""
+
+import argparse
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lorarl.trainer.serve.sampling import SampleRequest
+from lorarl.trainer.serve.service import Service
+from lorarl.trainer.serve.tenancy import LoraShape, RequestError
+from lorarl.trainer.serve.wire import (
+    PROTOBUF,
+    forward_backward_output,
+    parse_forward_backward,
+    read_data,
+    sample_response,
+)
+
+POLL_S = 20.0  # how long retrieve_future holds a request for a result (the SDK gives up on a poll after 45 s)
+ORDER_WAIT_S = 5.0  # how long a run's request waits for a missing earlier seq_id (a failed submission leaves a gap)
+API = "/api/v1"
+# the SDK's AdamParams defaults (torch's AdamW: decoupled weight decay; grad_clip_norm 0 = no clipping)
+ADAM_DEFAULTS = {
+    "learning_rate": None,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}
+log = logging.getLogger("lorarl.serve")
+
+
+class Server:
+    """The HTTP layer over a `Service`: sessions, futures, per-run ordering, the API key."""
+
+    def __init__(self, service: Service, *, api_keys: tuple[str, ...] = (), bases: tuple[str, ...] = ()):
+        self.service, self.api_keys, self.bases = service, api_keys, bases
+        self.compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorarl-serve")
+        self.futures: dict[str, asyncio.Future] = {}
+        self.next_seq: dict[str, int] = {}  # training run -> the seq_id its next request should carry
+        self.order = asyncio.Condition()
+        self.by_seq: dict[tuple[str, int | None], str] = {}  # (run, seq_id) -> its request id
+        self.counters: dict[str, int] = {}
+
+    # -- plumbing --
+    def run_async(self, fn: Callable[[], Any]) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.compute, fn)
+
+    def submit(self, fn: Callable[[], Any], owner: str) -> str:
+        """Run `fn` on the compute thread; its result is the future's (a request id), which only `owner` reads."""
+        request_id = str(uuid.uuid4())
+        self.futures[request_id] = (self.run_async(fn), owner)
+        return request_id
+
+    async def submit_in_order(self, model_id: str, seq_id: int | None, fn: Callable[[], Any], owner: str) -> str:
+        """`submit`, after the run's requests with lower seq_ids (or once `ORDER_WAIT_S` has passed without them). A
+        retried request (the same run and seq_id) gets the first one's request id and runs once."""
+        key = (model_id, seq_id)
+        if seq_id and key in self.by_seq:
+            return self.by_seq[key]
+        async with self.order:
+            if seq_id and model_id in self.next_seq:
+                try:
+                    await asyncio.wait_for(self.order.wait_for(lambda: self.next_seq[model_id] >= seq_id),
+                                           ORDER_WAIT_S)  # fmt: skip
+                except TimeoutError:
+                    log.warning("model %s: seq_id %d came before %d; running it", model_id, seq_id,
+                                self.next_seq[model_id])  # fmt: skip
+                self.next_seq[model_id] = max(self.next_seq[model_id], seq_id + 1)
+                self.order.notify_all()
+            if seq_id and key in self.by_seq:
+                return self.by_seq[key]
+            request_id = self.by_seq[key] = self.submit(fn, owner)
+            return request_id
+
+    async def ordered(self, model_id: str, seq_id: int | None, fn: Callable[[], Any], owner: str) -> dict:
+        """The answer to a training run's request: `fn` submitted in the run's order."""
+        return {"request_id": await self.submit_in_order(model_id, seq_id, fn, owner), "model_id": model_id}
+
+    def new_id(self, session_id: str, kind: str, seq: int | None) -> str:
+        if seq is None:
+            key = f"{session_id}:{kind}"
+            seq = self.counters[key] = self.counters.get(key, -1) + 1
+        return f"{session_id}:{kind}:{seq}"
+
+    # -- the API --
+    async def client_config(self, body: dict, owner: str) -> dict:
+        return {"pjwt_auth_enabled": False}
+
+    async def capabilities(self, body: dict, owner: str) -> dict:
+        return {
+            "supported_models": [{"model_name": name, "trainable": True, "sampleable": True} for name in self.bases]
+        }
+
+    async def create_session(self, body: dict, owner: str) -> dict:
+        session_id = str(uuid.uuid4())
+        self.service.create_session(session_id, owner)
+        return {"type": "create_session", "session_id": session_id}
+
+    async def heartbeat(self, body: dict, owner: str) -> dict:
+        self.service.session(_field(body, "session_id", str), owner)
+        return {"type": "session_heartbeat"}
+
+    async def create_model(self, body: dict, owner: str) -> dict:
+        session = _field(body, "session_id", str)
+        model_id = self.new_id(session, "train", body.get("model_seq_id"))
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise RequestError("lora_config: expected an object")
+        shape = LoraShape(rank=int(lora.get("rank", 32)), train_attn=bool(lora.get("train_attn", True)),
+                          train_mlp=bool(lora.get("train_mlp", True)),
+                          train_unembed=bool(lora.get("train_unembed", False)), seed=lora.get("seed"))  # fmt: skip
+        base = _field(body, "base_model", str)
+        self.next_seq[model_id] = 1
+
+        def create() -> dict:
+            self.service.create_run(model_id, session, base, shape, owner)
+            return {"type": "create_model", "model_id": model_id}
+
+        return {"request_id": self.submit(create, owner), "model_id": model_id}
+
+    async def get_info(self, body: dict, owner: str) -> dict:
+        model_id = _field(body, "model_id", str)
+        return {"type": "get_info", **(await self.run_async(lambda: self.service.info(model_id, owner)))}
+
+    async def forward_backward(self, body: bytes, owner: str) -> dict:
+        """Parsed here for its run and seq_id; checked on the compute thread, so that a bad datum fails its own
+        future and its seq_id still counts."""
+        message = parse_forward_backward(body)
+        model_id, backward = message.model_id, not message.forward_only
+
+        def run() -> bytes:
+            data, loss_fn, config = read_data(message)
+            result = self.service.forward_backward(model_id, owner, data, loss_fn, config, backward=backward)
+            return forward_backward_output(result["outputs"], result["loss"])
+
+        return await self.ordered(model_id, message.seq_id, run, owner)
+
+    async def optim_step(self, body: dict, owner: str) -> dict:
+        model_id = _field(body, "model_id", str)
+
+        def step() -> dict:
+            adam = _field(body, "adam_params", dict)
+            params = {key: float(_field(adam, key, (int, float), "adam_params") if key == "learning_rate"
+                                 else adam.get(key, default))
+                      for key, default in ADAM_DEFAULTS.items()}  # fmt: skip
+            metrics = self.service.optim_step(model_id, owner, params)
+            return {"type": "optim_step", "metrics": {"optim/grad_norm:mean": metrics["grad_norm"]}}
+
+        return await self.ordered(model_id, body.get("seq_id"), step, owner)
+
+    async def save_weights(self, body: dict, owner: str) -> dict:
+        model_id, name = _field(body, "model_id", str), _field(body, "path", str)
+        overwrite = bool(body.get("overwrite", False))
+
+        def save() -> dict:
+            path = self.service.save_weights(model_id, owner, name, overwrite=overwrite)
+            return {"type": "save_weights", "path": path}
+
+        return await self.ordered(model_id, body.get("seq_id"), save, owner)
+
+    async def save_weights_for_sampler(self, body: dict, owner: str) -> dict:
+        model_id = _field(body, "model_id", str)
+        name = body.get("path")
+        client = model_id.split(":train:")[0]  # the session that made the run
+        session = self.new_id(client, "sample", body.get("sampling_session_seq_id")) if name is None else None
+
+        def save() -> dict:
+            path = self.service.save_for_sampler(model_id, owner, name)
+            if session is None:
+                return {"type": "save_weights_for_sampler", "path": path}
+            self.service.create_sampling_session(session, owner, None, path)
+            return {"type": "save_weights_for_sampler", "path": path, "sampling_session_id": session}
+
+        return await self.ordered(model_id, body.get("seq_id"), save, owner)
+
+    async def load_weights(self, body: dict, owner: str) -> dict:
+        path, optimizer = _field(body, "path", str), bool(body.get("optimizer", False))
+        if body.get("session_id") is not None:  # a new run from saved weights
+            session = _field(body, "session_id", str)
+            model_id = self.new_id(session, "train", body.get("model_seq_id"))
+            self.next_seq[model_id] = 1
+
+            def create() -> dict:
+                self.service.create_run_from(model_id, session, owner, path, optimizer=optimizer)
+                return {"type": "load_weights", "path": path, "model_id": model_id}
+
+            return {"request_id": self.submit(create, owner), "model_id": model_id}
+        model_id = _field(body, "model_id", str)
+
+        def load() -> dict:
+            self.service.load_weights(model_id, owner, path, optimizer=optimizer)
+            return {"type": "load_weights", "path": path}
+
+        return await self.ordered(model_id, body.get("seq_id"), load, owner)
+
+    async def weights_info(self, body: dict, owner: str) -> dict:
+        path = _field(body, "tinker_path", str)
+        return await self.run_async(lambda: self.service.weights_info(path, owner))
+
+    async def checkpoints(self, model_id: str, owner: str) -> dict:
+        return {"checkpoints": self.service.checkpoints(model_id, owner)}
+
+    async def create_sampling_session(self, body: dict, owner: str) -> dict:
+        client = _field(body, "session_id", str)
+        self.service.session(client, owner)
+        session = self.new_id(client, "sample", body.get("sampling_session_seq_id"))
+        base, path = body.get("base_model"), body.get("model_path")
+        await self.run_async(lambda: self.service.create_sampling_session(session, owner, base, path))
+        return {"type": "create_sampling_session", "sampling_session_id": session}
+
+    async def sampler(self, session_id: str, owner: str) -> dict:
+        session = self.service.sampling_session(session_id, owner)
+        return {"sampler_id": session_id, "base_model": session.base_name, "model_path": session.model_path}
+
+    async def sample(self, body: dict, owner: str) -> dict:
+        session = _field(body, "sampling_session_id", str)
+        self.service.sampling_session(session, owner)
+        prompt = _prompt_tokens(_field(body, "prompt", dict))
+        params = body.get("sampling_params") or {}
+        stop = params.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str | int) for s in stop):
+            raise RequestError("sampling_params.stop: expected a list of strings or of token ids")
+        top_k = params.get("top_k", -1)
+        if top_k not in (-1, 0, None):
+            raise RequestError(f"sampling_params.top_k={top_k}: this server samples with top_k=-1 (all tokens) only")
+        request = SampleRequest(
+            prompt=prompt, num_samples=int(body.get("num_samples", 1)), max_tokens=int(params.get("max_tokens") or 16),
+            temperature=float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0),
+            top_p=float(params.get("top_p") or 1.0), seed=params.get("seed"),
+            stop_strings=tuple(s for s in stop if isinstance(s, str)),
+            stop_tokens=tuple(s for s in stop if isinstance(s, int)),
+        )  # fmt: skip
+        if request.num_samples < 1 or request.max_tokens < 1:
+            raise RequestError("num_samples and sampling_params.max_tokens must be >= 1")
+        if body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") or body.get("prompt_alt_tokens_k"):
+            raise RequestError("top-k log-probs: not served (prompt_logprobs and the sampled tokens' log-probs are)")
+        with_prompt = bool(body.get("prompt_logprobs"))
+
+        def run() -> bytes:
+            sequences = self.service.sample(session, owner, request)
+            prompt_logprobs = self.service.prompt_logprobs(session, owner, prompt) if with_prompt else None
+            return sample_response(sequences, prompt_logprobs)
+
+        request_id = self.submit(run, owner)
+        return {"request_id": request_id,
+                "sample_sequence_ids": [f"{request_id}:{i}" for i in range(request.num_samples)]}  # fmt: skip
+
+    async def retrieve(self, body: dict, owner: str):
+        """A result when ready (JSON, or protobuf bytes), `try_again` after `POLL_S`, or the request's error."""
+        request_id = _field(body, "request_id", str)
+        future, requester = self.futures.get(request_id, (None, None))
+        if future is None:
+            raise LookupError(f"request_id={request_id!r}: no such request")
+        if requester != owner:
+            raise PermissionError(f"request_id={request_id!r}: belongs to another API key")
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), POLL_S)
+        except TimeoutError:
+            return Pending({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        except RequestError as error:
+            return {"error": str(error), "category": "user"}
+        except (LookupError, PermissionError) as error:
+            return {"error": str(error).strip("'\""), "category": "user"}
+        except Exception as error:
+            log.exception("request %s failed", request_id)
+            return {"error": f"{type(error).__name__}: {error}", "category": "server"}
+        return result
+
+
+class Pending(dict):
+    """A `retrieve_future` answer for a request still running: HTTP 408, which the SDK polls again at once."""
+
+
+def _owner(request) -> str:
+    """Who sends a request: a digest of its API key. Runs, sampler sessions and saved weights belong to the key whose
+    session made them; other keys can neither read nor change them."""
+    return hashlib.sha256(request.headers.get("x-api-key", "").encode()).hexdigest()[:16]
+
+
+def _field(body: dict, key: str, kind, where: str = "body"):
+    """`body[key]`, checked: a missing or mistyped field is the client's error, named."""
+    if not isinstance(body, dict) or key not in body or body[key] is None:
+        raise RequestError(f"{where}: expected the field {key!r}")
+    if not isinstance(body[key], kind):
+        raise RequestError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {type(body[key]).__name__}")
+    return body[key]
+
+
+def _prompt_tokens(prompt: dict) -> list[int]:
+    chunks = _field(prompt, "chunks", list, "prompt")
+    ids = []
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise RequestError(f"prompt.chunks[{i}]: this server takes encoded_text chunks only")
+        tokens = _field(chunk, "tokens", list, f"prompt.chunks[{i}]")
+        if not all(isinstance(t, int) for t in tokens):
+            raise RequestError(f"prompt.chunks[{i}].tokens: expected integers")
+        ids.extend(tokens)
+    return ids
+
+
+def make_app(server: Server):
+    """The aiohttp application: routes, the API key check, errors as JSON with a category."""
+    from aiohttp import web
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if server.api_keys and request.headers.get("x-api-key") not in server.api_keys:
+            return web.json_response({"error": "a valid API key is required (x-api-key)", "category": "user"},
+                                     status=401)  # fmt: skip
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except RequestError as error:
+            return web.json_response({"error": str(error), "category": "user"}, status=400)
+        except LookupError as error:
+            return web.json_response({"error": str(error).strip("'\""), "category": "user"}, status=404)
+        except PermissionError as error:
+            return web.json_response({"error": str(error), "category": "user"}, status=403)
+        except Exception as error:
+            log.exception("%s failed", request.path)
+            return web.json_response({"error": f"{type(error).__name__}: {error}", "category": "server"}, status=500)
+
+    def json_route(method: Callable):
+        async def handle(request: web.Request):
+            raw = await request.read()
+            try:
+                body = json.loads(raw) if raw else {}
+            except ValueError:
+                raise RequestError(f"{request.path}: the body is not JSON") from None
+            return _respond(await method(body, _owner(request)))
+
+        return handle
+
+    def _respond(result):
+        if isinstance(result, bytes):
+            return web.Response(body=result, content_type=PROTOBUF)
+        return web.json_response(result, status=408 if isinstance(result, Pending) else 200)
+
+    async def forward_backward(request: web.Request):
+        return _respond(await server.forward_backward(await request.read(), _owner(request)))
+
+    async def checkpoints(request: web.Request):
+        return _respond(await server.checkpoints(request.match_info["model_id"], _owner(request)))
+
+    async def sampler(request: web.Request):
+        return _respond(await server.sampler(request.match_info["sampler_id"], _owner(request)))
+
+    async def finish(request: web.Request):
+        return web.Response(status=200)
+
+    async def accepted(request: web.Request):
+        return web.json_response({"status": "accepted"})
+
+    app = web.Application(middlewares=[guard], client_max_size=1 << 31)
+    routes = {
+        "client/config": server.client_config,
+        "create_session": server.create_session,
+        "session_heartbeat": server.heartbeat,
+        "create_model": server.create_model,
+        "get_info": server.get_info,
+        "optim_step": server.optim_step,
+        "save_weights": server.save_weights,
+        "save_weights_for_sampler": server.save_weights_for_sampler,
+        "load_weights": server.load_weights,
+        "weights_info": server.weights_info,
+        "create_sampling_session": server.create_sampling_session,
+        "asample": server.sample,
+        "retrieve_future": server.retrieve,
+    }
+    for path, method in routes.items():
+        app.router.add_post(f"{API}/{path}", json_route(method))
+    app.router.add_post(f"{API}/forward_backward", forward_backward)
+    app.router.add_get(f"{API}/get_server_capabilities", json_route(server.capabilities))
+    app.router.add_get(f"{API}/training_runs/{{model_id}}/checkpoints", checkpoints)
+    app.router.add_get(f"{API}/samplers/{{sampler_id}}", sampler)
+    app.router.add_post(f"{API}/sessions/{{session_id}}/finish", finish)
+    app.router.add_post(f"{API}/telemetry", accepted)
+    return app
+
+
+def main(argv: list[str]) -> int:
+    """`trainer serve [--host H] [--port P] [--base NAME ...] [--state-dir DIR] [--api-key KEY]`."""
+    parser = argparse.ArgumentParser(prog="trainer serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--base", action="append", default=[],
+                        help="a base model to load at start (an embedded model's name, a directory, a Hub id); "
+                             "create_model may name others")  # fmt: skip
+    parser.add_argument("--state-dir", default="outputs/serve", help="where saved weights are kept (resumable)")
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="accept requests with this key only (the client's TINKER_API_KEY, starting tml-); "
+                             "repeat it for several tenants, each of which sees only its own runs")  # fmt: skip
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    args = parser.parse_args(argv)
+    from aiohttp import web
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens)
+    for name in args.base:
+        service.base(name)
+    server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base))
+    print(f"serving the Tinker API at http://{args.host}:{args.port} (TINKER_BASE_URL)", flush=True)
+    web.run_app(make_app(server), host=args.host, port=args.port, print=None)
+    return 0

@@ -1,0 +1,239 @@
+"""Many LoRA training runs on one frozen base: each run (a tenant) is a peft adapter of its own on the one model, with
+its own optimizer state; a forward runs with exactly one run's adapter active, so each run's gradients are those it
+would get alone. Sampler snapshots are adapters too (copies, frozen), which the sampler activates the same way.
+
+Why adapters by name on one `PeftModel` rather than a model per run: the base's weights are most of the memory, and
+an adapter of rank r on a 135M model is well under 1% of it — four runs cost about what one does."""
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lorarl.trainer.head_logprobs import head_logprobs, head_replaced
+from lorarl.trainer.logprobs import micro_batches
+from lorarl.trainer.models import adapters, load_base, load_tokenizer, resolve_model_path
+from lorarl.trainer.serve.losses import LOSSES
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
+ALPHA = 32  # Tinker's LoRA scaling is alpha / rank with alpha 32, whatever the rank
+
+
+class RequestError(ValueError):
+    """A request the server cannot run as asked: the client's to fix (the API's `user` error category)."""
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """Which layers a run's adapter covers, and its rank (the API's `LoraConfig`)."""
+
+    rank: int
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class Datum:
+    """One training sequence: `tokens` in, `targets` (as long) predicted, and the loss's per-token inputs."""
+
+    tokens: list[int]
+    targets: Tensor  # [L] or [L, K] int64 (K targets scored at each position: distillation)
+    inputs: dict[str, Tensor]  # name -> [L] float32 (weights, logprobs, advantages...)
+
+
+class SharedBase:
+    """The base model, loaded once, and every adapter on it (training runs' and sampler snapshots')."""
+
+    def __init__(self, name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                 micro_batch_tokens: int = 4096):  # fmt: skip
+        self.name = name
+        self.path = resolve_model_path(name)
+        self.tokenizer = load_tokenizer(self.path)
+        self.device, self.dtype = device, dtype
+        self.micro_batch_tokens = micro_batch_tokens
+        self.base = load_base(self.path, dtype, device).requires_grad_(False)
+        self.model: nn.Module | None = None  # the PeftModel, once the first adapter exists
+        self.vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+        self.linears = {name.rsplit(".", 1)[-1] for name, m in self.base.named_modules() if isinstance(m, nn.Linear)}
+
+    def target_modules(self, shape: LoraShape) -> list[str]:
+        wanted = (ATTENTION if shape.train_attn else ()) + (MLP if shape.train_mlp else ())
+        targets = [t for t in wanted if t in self.linears]
+        if shape.train_unembed:
+            targets.append("lm_head")
+        if not targets:
+            raise RequestError(f"lora_config {shape}: no layer of {self.name} to train (train_attn, train_mlp or "
+                               "train_unembed)")  # fmt: skip
+        return targets
+
+    def add_adapter(self, name: str, shape: LoraShape) -> list[nn.Parameter]:
+        """A new adapter `name` of `shape` (B = 0: the base's outputs at first), initialised from `shape.seed` where
+        given; returns its trainable parameters."""
+        from peft import LoraConfig, get_peft_model
+
+        if shape.rank < 1:
+            raise RequestError(f"lora_config.rank must be >= 1, got {shape.rank}")
+        config = LoraConfig(r=shape.rank, lora_alpha=ALPHA, target_modules=self.target_modules(shape), lora_dropout=0.0)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft warns of an adapted head tied to the embeddings, for merging: adapters here are never merged
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            if shape.seed is not None:
+                torch.manual_seed(shape.seed)
+            if self.model is None:
+                self.model = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.model.add_adapter(name, config)
+        params = list(self.factors(name).values())
+        for p in params:
+            p.requires_grad_(True)  # peft adds an adapter that is not the active one frozen
+        return params
+
+    def remove_adapter(self, name: str) -> None:
+        if self.model is not None and name in self.model.peft_config:
+            self.model.delete_adapter(name)
+
+    def factors(self, name: str) -> dict[str, nn.Parameter]:
+        """Adapter `name`'s factors, in the model's order, keyed by their names with the adapter's name taken out."""
+        marker = f".{name}."
+        return {n.replace(marker, "."): p for n, p in self.model.named_parameters() if marker in n and "lora_" in n}
+
+    def adapter_tensors(self, name: str) -> dict[str, Tensor]:
+        """Copies of adapter `name`'s factors (`factors`' names)."""
+        return {key: p.detach().clone() for key, p in self.factors(name).items()}
+
+    def load_adapter_tensors(self, name: str, tensors: dict[str, Tensor]) -> None:
+        """Copy `tensors` (as `adapter_tensors` names them) into adapter `name`, every shape checked first."""
+        own = self.factors(name)
+        if set(own) != set(tensors):
+            raise RequestError(f"the weights do not fit this adapter: {len(set(tensors) ^ set(own))} tensor names "
+                               "differ (another base model or LoRA config?)")  # fmt: skip
+        for key, p in own.items():
+            if tuple(tensors[key].shape) != tuple(p.shape):
+                raise RequestError(f"the weights do not fit this adapter: {key} is {tuple(tensors[key].shape)}, "
+                                   f"expected {tuple(p.shape)} (another rank?)")  # fmt: skip
+        with torch.no_grad():
+            for key, p in own.items():
+                p.copy_(tensors[key])
+
+    def active(self, name: str | None):
+        """A context computing with adapter `name` alone (None: the base model)."""
+        if self.model is None:
+            return contextlib.nullcontext(self.base)
+        return adapters(self.model, None if name is None else [name])
+
+    def target_logprobs(self, adapter: str | None, data: list[Datum]) -> Iterator[tuple[list[int], Tensor]]:
+        """Per micro-batch: the indices of its data and their targets' log-probs `[tokens]` (concatenated in that
+        order), under `adapter`, differentiable when grad is enabled."""
+        lengths = [len(d.tokens) for d in data]
+        model = self.model if self.model is not None else self.base
+        with self.active(adapter):
+            for batch in micro_batches(lengths, self.micro_batch_tokens, layout="padded"):
+                per_position = [data[i].targets.reshape(lengths[i], -1) for i in batch]
+                if len({t.shape[1] for t in per_position}) > 1:  # scored in one pass: one K per micro-batch
+                    parts = [self._batch_logprobs(model, [data[i]]) for i in batch]
+                    yield batch, torch.cat(parts)
+                    continue
+                yield batch, self._batch_logprobs(model, [data[i] for i in batch])
+
+    def _batch_logprobs(self, model: nn.Module, data: list[Datum]) -> Tensor:
+        """The targets' log-probs of `data` (one micro-batch, right-padded), concatenated datum by datum."""
+        lengths = [len(d.tokens) for d in data]
+        ids = torch.zeros(len(data), max(lengths), dtype=torch.long)
+        mask = torch.zeros(len(data), max(lengths), dtype=torch.bool)
+        for row, datum in enumerate(data):
+            ids[row, : lengths[row]] = torch.as_tensor(datum.tokens)
+            mask[row, : lengths[row]] = True
+        targets = torch.cat([d.targets.reshape(len(d.tokens), -1) for d in data]).to(self.device)
+        return self._scored(model, ids.to(self.device), mask.to(self.device), targets).reshape(-1)
+
+    @staticmethod
+    def _scored(model: nn.Module, ids: Tensor, mask: Tensor, targets: Tensor) -> Tensor:
+        """`[T, K]` log-probs of `targets` (`[T, K]`) at the T positions `mask` sets: from the hidden states through
+        the head's weight, chunked (`head_logprobs`) — or from the logits where the head is itself adapted
+        (`train_unembed`)."""
+        head = model.get_output_embeddings()
+        if type(head) is not nn.Linear:
+            logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits[mask]
+            return torch.log_softmax(logits.float(), -1).gather(1, targets)
+        found, k = [], targets.shape[1]
+
+        def score(hidden: Tensor) -> Tensor:
+            rows = hidden[mask].repeat_interleave(k, 0)
+            found.append(head_logprobs(rows, head.weight, head.bias, targets.reshape(-1), entropy_grad=False)[0])
+            return found[-1]
+
+        with head_replaced(head, score):
+            model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
+        return found[0].reshape(-1, k)
+
+
+class TrainingRun:
+    """One tenant's LoRA training: its adapter on the shared base, its gradients and its Adam state."""
+
+    def __init__(self, model_id: str, base: SharedBase, shape: LoraShape):
+        self.model_id, self.base, self.shape = model_id, base, shape
+        self.params = base.add_adapter(model_id, shape)
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+        self.steps = 0
+
+    def forward(self, data: list[Datum], loss_fn: str, config: dict[str, float], *, backward: bool) -> dict:
+        """Each datum's target log-probs and per-token loss under `loss_fn`, and the loss summed over tokens and data;
+        with `backward`, the loss's gradients added to the adapter's (they add up until `optim_step`)."""
+        function, _, defaults = LOSSES[loss_fn]
+        config = {**defaults, **config}
+        outputs: list[dict[str, Tensor] | None] = [None] * len(data)
+        total = 0.0
+        with torch.set_grad_enabled(backward):
+            for batch, logp in self.base.target_logprobs(self.model_id, data):
+                losses, start = [], 0
+                for i in batch:
+                    end = start + data[i].targets.numel()
+                    inputs = {k: v.to(logp.device, logp.dtype) for k, v in data[i].inputs.items()}
+                    losses.append(function(logp[start:end].reshape(data[i].targets.shape), inputs, config).reshape(-1))
+                    shape = data[i].targets.shape
+                    outputs[i] = {"logprobs": logp[start:end].detach().float().cpu().reshape(shape),
+                                  "elementwise_loss": losses[-1].detach().float().cpu().reshape(shape)}  # fmt: skip
+                    start = end
+                loss = torch.cat(losses).sum()
+                if backward:
+                    loss.backward()
+                total += float(loss.detach())
+        return {"outputs": outputs, "loss": total}
+
+    def optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                   grad_clip_norm: float) -> dict[str, float]:  # fmt: skip
+        """One Adam step with these hyperparameters on the gradients gathered since the last, then zero them."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params, grad_clip_norm if grad_clip_norm > 0 else float("inf"))
+        for group in self.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": float(norm)}
+
+    def state(self) -> dict:
+        """What resumes this run exactly: its adapter's factors and the optimizer's state (by the same names)."""
+        names = list(self.base.factors(self.model_id))
+        optimizer = self.optimizer.state_dict()
+        per_name = {names[i]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                    for i, s in optimizer["state"].items()}  # fmt: skip
+        return {"weights": self.base.adapter_tensors(self.model_id), "optimizer": per_name, "steps": self.steps}
+
+    def load_state(self, state: dict, *, with_optimizer: bool) -> None:
+        self.base.load_adapter_tensors(self.model_id, state["weights"])
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+        if with_optimizer and state.get("optimizer"):
+            names = list(self.base.factors(self.model_id))
+            saved = self.optimizer.state_dict()
+            saved["state"] = {i: state["optimizer"][name] for i, name in enumerate(names) if name in state["optimizer"]}
+            self.optimizer.load_state_dict(saved)
+            self.steps = state.get("steps", 0)
+
+    def close(self) -> None:
+        self.base.remove_adapter(self.model_id)
