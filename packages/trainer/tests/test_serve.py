@@ -248,3 +248,23 @@ def test_malformed_bodies_get_the_sdk_error_shape(served):
                         json={"sampling_session_id": "nope", "prompt": {"chunks": []}})  # fmt: skip
     assert answer.status_code == 404
     assert answer.json() == {"error": "sampling_session_id='nope': no such sampling session", "category": "user"}
+
+
+def test_concurrent_samples_of_two_tenants_each_score_under_their_own_adapter(served):
+    """Requests arriving together are decoded in one batch whatever adapter each samples (peft's mixed batch): each
+    sequence's log-probs are still those its own run's trainer computes."""
+    runs = []
+    for i, key in enumerate(KEYS):
+        tc = service_client(served["url"], key).create_lora_training_client(base_model=served["model"], rank=4,
+                                                                              seed=10 + i).result()  # fmt: skip
+        tc.forward_backward([datum(SEQUENCES[i])], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.1)).result()
+        runs.append((tc, tc.save_weights_and_get_sampling_client().result()))
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    sampling = types.SamplingParams(max_tokens=5, temperature=1.0)
+    futures = [(tc, sampler.sample(prompt, 1, sampling)) for _ in range(6) for tc, sampler in runs]
+    for tc, future in futures:
+        (sequence,) = future.result().sequences
+        forward = tc.forward([datum([1, 2, 3, *sequence.tokens])], "cross_entropy").result()
+        trainer = forward.loss_fn_outputs[0]["logprobs"].to_torch()[-len(sequence.tokens) :]
+        torch.testing.assert_close(torch.tensor(sequence.logprobs), trainer, atol=2e-5, rtol=1e-5)

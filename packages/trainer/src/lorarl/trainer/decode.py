@@ -188,22 +188,29 @@ def decode(
     generator: torch.Generator | None = None,
     stop: StopStrings | None = None,
     min_tokens: int = 0,
+    adapter_names: list[str] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`n` responses to each left-padded prompt `[B, P]`: `(tokens [B·n, T], logp [B·n, T])` (prompt i's responses
     in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when `temperature` is 0. `logp` is each token's log-prob
     under softmax(logits / temperature) (the raw distribution when greedy); after a row's `eos` its tokens are `pad`
     and its log-probs 0 — as after a stop string of `stop`. Stops when every row has ended. The first `min_tokens`
     tokens of a row are drawn with `eos` removed from the distribution (vLLM's `min_tokens`; their log-probs are of the
-    distribution drawn from), and a stop string ends a row only after them."""
+    distribution drawn from), and a stop string ends a row only after them. `adapter_names` (a peft model): each
+    prompt's adapter, a batch of several adapters (peft's mixed-batch forward)."""
     with vocab_sliced(model.get_output_embeddings()), packed_linears(model):
         return _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop,
-                       min_tokens)  # fmt: skip
+                       min_tokens, adapter_names)  # fmt: skip
 
 
-def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop, min_tokens):
+def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop, min_tokens,
+            adapter_names):  # fmt: skip
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    routed = {} if adapter_names is None else {"adapter_names": list(adapter_names)}
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                **routed)  # fmt: skip
+    if adapter_names is not None:
+        routed = {"adapter_names": [name for name in adapter_names for _ in range(n)]}
     if n > 1:
         out.past_key_values.batch_repeat_interleave(n)
         out.logits = out.logits.repeat_interleave(n, 0)
@@ -230,5 +237,5 @@ def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p,
         mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                    past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
+                    past_key_values=out.past_key_values, use_cache=True, **routed)  # fmt: skip
     return torch.stack(tokens, 1), torch.stack(logps, 1)

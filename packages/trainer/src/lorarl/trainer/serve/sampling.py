@@ -2,6 +2,7 @@
 shared base, and the HF engine's decode loop run with one snapshot active, ending responses at end-of-sequence, at
 stop token ids or at stop strings. The snapshots stay in memory: a run's new sampler weights never touch the disk."""
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from torch import Tensor
 from lorarl.trainer.decode import StopStrings, decode
 from lorarl.trainer.engines.hf import stop_candidates
 from lorarl.trainer.serve.tenancy import LoraShape, RequestError, SharedBase
+
+BASE_ROW = "__base__"  # peft's name for a row of a mixed batch that the base model answers
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,8 @@ class Sampler:
     """Samples from the shared base with a snapshot's adapter active; the most recently used snapshots stay loaded as
     adapters (`loaded` of them), the others are kept as tensors and loaded again when asked for."""
 
-    def __init__(self, base: SharedBase, loaded: int = 8):
-        self.base, self.capacity = base, loaded
+    def __init__(self, base: SharedBase, loaded: int = 16, max_rows: int = 64):
+        self.base, self.capacity, self.max_rows = base, loaded, max_rows
         self.loaded: OrderedDict[str, None] = OrderedDict()  # snapshot path -> its adapter slot is `slot(path)`
 
     @staticmethod
@@ -102,31 +105,65 @@ class Sampler:
         if self.loaded.pop(path, 0) is None:
             self.base.remove_adapter(self.slot(path))
 
-    @torch.no_grad()
-    def sample(self, adapter: str | None, request: SampleRequest) -> list[Sequence]:
-        """`request.num_samples` responses to its prompt with `adapter` active (None: the base model)."""
-        base = self.base
-        tokenizer = base.tokenizer
+    def check(self, request: SampleRequest) -> None:
+        """A request this base can answer: its prompt's ids in the vocabulary."""
         if not request.prompt:
             raise RequestError("prompt: expected at least one token")
-        if max(request.prompt) >= base.vocab_size or min(request.prompt) < 0:
-            raise RequestError(f"prompt: token ids must be in [0, {base.vocab_size}) for {base.name}")
+        if max(request.prompt) >= self.base.vocab_size or min(request.prompt) < 0:
+            raise RequestError(f"prompt: token ids must be in [0, {self.base.vocab_size}) for {self.base.name}")
+
+    def sample(self, adapter: str | None, request: SampleRequest) -> list[Sequence]:
+        """`request.num_samples` responses to its prompt with `adapter` active (None: the base model)."""
+        return self.sample_many([(adapter, request)])[0]
+
+    def sample_many(self, requests: list[tuple[str | None, SampleRequest]]) -> list[list[Sequence]]:
+        """The responses to each request, those that sample alike decoded together — one batch for many tenants'
+        adapters (peft's mixed-batch forward). A seeded request decodes alone: its samples depend on its seed only."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, request) in enumerate(requests):
+            key = (request.num_samples, request.temperature, request.top_p, request.max_tokens, request.stop_strings,
+                   request.stop_tokens, i if request.seed is not None else None)  # fmt: skip
+            groups.setdefault(key, []).append(i)
+        answers: list[list[Sequence]] = [[] for _ in requests]
+        for members in groups.values():
+            per_decode = max(1, self.max_rows // requests[members[0]][1].num_samples)
+            for start in range(0, len(members), per_decode):
+                chunk = members[start : start + per_decode]
+                for i, sequences in zip(chunk, self._decode([requests[i] for i in chunk]), strict=True):
+                    answers[i] = sequences
+        return answers
+
+    @torch.no_grad()
+    def _decode(self, requests: list[tuple[str | None, SampleRequest]]) -> list[list[Sequence]]:
+        """Requests that sample alike (all but their prompts and adapters), in one decode."""
+        base = self.base
+        tokenizer = base.tokenizer
+        first = requests[0][1]
+        for _, request in requests:
+            self.check(request)
         stops = []
-        if request.stop_tokens:
-            stops.append(StopTokens(request.stop_tokens))
-        if request.stop_strings:
-            candidates = stop_candidates(tokenizer, request.stop_strings, base.vocab_size)
-            stops.append(StopStrings(tokenizer, request.stop_strings, candidates))
+        if first.stop_tokens:
+            stops.append(StopTokens(first.stop_tokens))
+        if first.stop_strings:
+            candidates = stop_candidates(tokenizer, first.stop_strings, base.vocab_size)
+            stops.append(StopStrings(tokenizer, first.stop_strings, candidates))
         stop = EitherStop(*stops) if stops else None
         generator = torch.Generator(device=base.device)
-        generator.manual_seed(request.seed if request.seed is not None else int(torch.seed() % (1 << 62)))
-        ids = torch.tensor([request.prompt], device=base.device)
+        generator.manual_seed(first.seed if first.seed is not None else int(torch.seed() % (1 << 62)))
+        pad = tokenizer.pad_token_id
+        width = max(len(r.prompt) for _, r in requests)
+        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for _, r in requests], device=base.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for _, r in requests],
+                            device=base.device)  # fmt: skip
+        adapters = [adapter for adapter, _ in requests]
+        mixed = len(set(adapters)) > 1
+        names = [BASE_ROW if a is None else a for a in adapters] if mixed else None
         eos = tokenizer.eos_token_id
         model = base.model if base.model is not None else base.base
-        with base.active(adapter):
-            tokens, logp = decode(model, ids, torch.ones_like(ids), n=request.num_samples,
-                                  max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                                  eos=eos, pad=tokenizer.pad_token_id, generator=generator, stop=stop)  # fmt: skip
+        with contextlib.nullcontext() if mixed else base.active(adapters[0]):
+            tokens, logp = decode(model, ids, mask, n=first.num_samples, max_tokens=first.max_tokens,
+                                  temperature=first.temperature, top_p=first.top_p, eos=eos, pad=pad,
+                                  generator=generator, stop=stop, adapter_names=names)  # fmt: skip
         ends = stop.ends if stop is not None else {}
         sequences = []
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
@@ -137,4 +174,5 @@ class Sampler:
             else:
                 length, reason = len(row_tokens), "length"
             sequences.append(Sequence(row_tokens[:length], row_logp[:length], reason))
-        return sequences
+        n = first.num_samples
+        return [sequences[i * n : (i + 1) * n] for i in range(len(requests))]

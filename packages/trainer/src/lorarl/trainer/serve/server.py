@@ -10,6 +10,7 @@ one line, no traceback."""
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import hashlib
 import json
@@ -55,6 +56,9 @@ class Server:
         self.next_seq: dict[str, int] = {}  # training run -> the seq_id its next request should carry
         self.order = asyncio.Condition()
         self.by_seq: dict[tuple[str, int | None], str] = {}  # (run, seq_id) -> its request id
+        self.samples: collections.deque = collections.deque()  # sample requests not yet taken by `answer_samples`
+        self.draining = False  # an `answer_samples` round is queued on the compute thread
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.counters: dict[str, int] = {}
 
     # -- plumbing --
@@ -253,15 +257,39 @@ class Server:
         if body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") or body.get("prompt_alt_tokens_k"):
             raise RequestError("top-k log-probs: not served (prompt_logprobs and the sampled tokens' log-probs are)")
         with_prompt = bool(body.get("prompt_logprobs"))
-
-        def run() -> bytes:
-            sequences = self.service.sample(session, owner, request)
-            prompt_logprobs = self.service.prompt_logprobs(session, owner, prompt) if with_prompt else None
-            return sample_response(sequences, prompt_logprobs)
-
-        request_id = self.submit(run, owner)
+        request_id = str(uuid.uuid4())
+        future = asyncio.get_running_loop().create_future()
+        self.futures[request_id] = (future, owner)
+        self.samples.append((session, owner, request, with_prompt, future))
+        if not self.draining:
+            self.draining = True
+            self.run_async(self.answer_samples)
         return {"request_id": request_id,
                 "sample_sequence_ids": [f"{request_id}:{i}" for i in range(request.num_samples)]}  # fmt: skip
+
+    def answer_samples(self) -> None:
+        """On the compute thread: every sample request queued by now, decoded together (`Service.sample_many`) —
+        requests that arrive while training runs wait for it and then share one decode."""
+        self.draining = False  # before taking: a request queued after this schedules the next round
+        taken = []
+        while self.samples:
+            taken.append(self.samples.popleft())
+        if not taken:
+            return
+        log.info("sampling %d requests of %d sessions together", len(taken), len({t[0] for t in taken}))
+        try:
+            answers = self.service.sample_many([(session, owner, request) for session, owner, request, _, _ in taken])
+        except Exception as error:  # the decode itself failed: every request of the round fails with it
+            answers = [error] * len(taken)
+        for (session, owner, request, with_prompt, future), answer in zip(taken, answers, strict=True):
+            if not isinstance(answer, Exception) and with_prompt:
+                try:
+                    answer = sample_response(answer, self.service.prompt_logprobs(session, owner, request.prompt))
+                except Exception as error:
+                    answer = error
+            elif not isinstance(answer, Exception):
+                answer = sample_response(answer, None)
+            self.loop.call_soon_threadsafe(_settle, future, answer)
 
     async def retrieve(self, body: dict, owner: str):
         """A result when ready (JSON, or protobuf bytes), `try_again` after `POLL_S`, or the request's error."""
@@ -283,6 +311,13 @@ class Server:
             log.exception("request %s failed", request_id)
             return {"error": f"{type(error).__name__}: {error}", "category": "server"}
         return result
+
+
+def _settle(future: asyncio.Future, answer) -> None:
+    if isinstance(answer, Exception):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
 
 
 class Pending(dict):
@@ -371,7 +406,11 @@ def make_app(server: Server):
     async def accepted(request: web.Request):
         return web.json_response({"status": "accepted"})
 
+    async def started(app) -> None:
+        server.loop = asyncio.get_running_loop()
+
     app = web.Application(middlewares=[guard], client_max_size=1 << 31)
+    app.on_startup.append(started)
     routes = {
         "client/config": server.client_config,
         "create_session": server.create_session,

@@ -266,8 +266,28 @@ class Service:
         return self.samplers[session.base_name].activate(session.model_path, snapshot)
 
     def sample(self, session_id: str, owner: str, request: SampleRequest) -> list[Sequence]:
-        session = self.sampling_session(session_id, owner)
-        return self.samplers[session.base_name].sample(self._sampler_adapter(session), request)
+        (answer,) = self.sample_many([(session_id, owner, request)])
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def sample_many(self, requests: list[tuple[str, str, SampleRequest]]) -> list[list[Sequence] | Exception]:
+        """Each `(sampling session, owner, request)`'s sequences — or the error that request alone meets. Requests on
+        one base are decoded together, whichever runs' weights they sample (`Sampler.sample_many`)."""
+        answers: list = [None] * len(requests)
+        by_base: dict[str, list[tuple[int, str | None, SampleRequest]]] = {}
+        for i, (session_id, owner, request) in enumerate(requests):
+            try:
+                session = self.sampling_session(session_id, owner)
+                self.samplers[session.base_name].check(request)
+                by_base.setdefault(session.base_name, []).append((i, self._sampler_adapter(session), request))
+            except (RequestError, LookupError, PermissionError) as error:
+                answers[i] = error
+        for base_name, batch in by_base.items():
+            sequences = self.samplers[base_name].sample_many([(adapter, request) for _, adapter, request in batch])
+            for (i, _, _), answer in zip(batch, sequences, strict=True):
+                answers[i] = answer
+        return answers
 
     def prompt_logprobs(self, session_id: str, owner: str, prompt: list[int]) -> list[float | None]:
         """Each prompt token's log-prob given those before it (None for the first), under the session's weights."""

@@ -85,8 +85,8 @@ class SharedBase:
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             if shape.seed is not None:
                 torch.manual_seed(shape.seed)
-            if self.model is None:
-                self.model = get_peft_model(self.base, config, adapter_name=name)
+            if self.model is None:  # in eval mode: no dropout, and peft routes mixed batches only there
+                self.model = get_peft_model(self.base, config, adapter_name=name).eval()
             else:
                 self.model.add_adapter(name, config)
         params = list(self.factors(name).values())
