@@ -79,3 +79,28 @@ def reference_logprobs(model, tokens: list[int], targets: list[int]) -> torch.Te
     """log p(targets[i] | tokens[:i+1]) for one sequence, from the full float64 logits."""
     logits = model(input_ids=torch.tensor([tokens])).logits[0]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(targets)[:, None])[:, 0]
+
+
+def make_byte_model_dir(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2 with a byte-level BPE tokenizer without merges (each byte a token, `<|endoftext|>` its
+    end): any text encodes, so a client's renderer (the cookbook's role_colon) runs on it; AutoTokenizer loads it as
+    the Qwen2 tokenizer it is, in any transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
