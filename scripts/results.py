@@ -67,6 +67,13 @@ def multiturn_vs_trl(rows: list[dict]) -> str:
     return "; ".join([*parts, learning] if any(r.get("summary") for r in rows) else parts) or f"{len(rows)} rows"
 
 
+def tenants(rows: list[dict]) -> str:
+    summary = [r for r in rows if r.get("summary") and r["tenants"] > 1]
+    return "; ".join(f"{r['model']} x{r['tenants']}: {r['throughput_ratio']:.2f}x one tenant's steps/s "
+                     f"(sampled tokens {r['sampled_tokens_ratio']:.2f}x) at {r['memory_ratio']:.2f}x its memory"
+                     for r in summary) or f"{len(rows)} rows"  # fmt: skip
+
+
 def merge_throughput(rows: list[dict]) -> str:
     parts = []
     for backend, group in by([r for r in rows if "ratio_to_copy" in r and "model" not in r], "backend").items():
@@ -115,6 +122,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "step_vs_trl": (ROOT / "benchmarks/results/step_vs_trl.jsonl", step_vs_trl),
     "learning_vs_trl": (ROOT / "benchmarks/results/learning_vs_trl.jsonl", learning_vs_trl),
     "multiturn_vs_trl": (ROOT / "benchmarks/results/multiturn_vs_trl.jsonl", multiturn_vs_trl),
+    "tenants": (ROOT / "benchmarks/results/tenants.jsonl", tenants),
     "sync_modes": (ROOT / "benchmarks/results/sync_modes.jsonl", sync_modes),
     "rollout_throughput": (ROOT / "benchmarks/results/rollout_throughput.jsonl", rollout_throughput),
     "multiturn_rollout": (ROOT / "benchmarks/results/multiturn_rollout.jsonl", multiturn_rollout),

@@ -268,3 +268,20 @@ def test_concurrent_samples_of_two_tenants_each_score_under_their_own_adapter(se
         forward = tc.forward([datum([1, 2, 3, *sequence.tokens])], "cross_entropy").result()
         trainer = forward.loss_fn_outputs[0]["logprobs"].to_torch()[-len(sequence.tokens) :]
         torch.testing.assert_close(torch.tensor(sequence.logprobs), trainer, atol=2e-5, rtol=1e-5)
+
+
+def test_a_run_keeps_its_newest_sampler_weights_in_memory(tmp_path):
+    """Each step's unnamed sampler weights would otherwise pile up in memory: past `--sampler-snapshots` the oldest
+    are let go (a request for one says so), while named ones are read back from disk."""
+    model = str(make_model_dir(tmp_path / "model"))
+    with running_server(model, tmp_path / "state", "--sampler-snapshots", "2") as url:
+        tc = service_client(url).create_lora_training_client(base_model=model, rank=4).result()
+        named = tc.save_weights_for_sampler("kept").result().path
+        samplers = [tc.save_weights_and_get_sampling_client().result() for _ in range(3)]
+        prompt, sampling = types.ModelInput.from_ints([1, 2]), types.SamplingParams(max_tokens=2)
+        with pytest.raises(tinker.RequestFailedError, match="were let go"):
+            samplers[0].sample(prompt, 1, sampling).result()
+        for sampler in samplers[1:]:
+            assert len(sampler.sample(prompt, 1, sampling).result().sequences) == 1
+        from_disk = service_client(url).create_sampling_client(model_path=named).result()
+        assert len(from_disk.sample(prompt, 1, sampling).result().sequences) == 1

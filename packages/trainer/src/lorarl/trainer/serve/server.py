@@ -130,6 +130,9 @@ class Server:
                           train_mlp=bool(lora.get("train_mlp", True)),
                           train_unembed=bool(lora.get("train_unembed", False)), seed=lora.get("seed"))  # fmt: skip
         base = _field(body, "base_model", str)
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise RequestError(f"optimizer_config.type={optimizer!r}: this server trains with adamw only")
         self.next_seq[model_id] = 1
 
         def create() -> dict:
@@ -451,11 +454,13 @@ def main(argv: list[str]) -> int:
                              "repeat it for several tenants, each of which sees only its own runs")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--sampler-snapshots", type=int, default=4,
+                        help="each run's newest sampler weights held in memory (older unnamed: let go)")  # fmt: skip
     args = parser.parse_args(argv)
     from aiohttp import web
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens)
+    service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots)
     for name in args.base:
         service.base(name)
     server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base))

@@ -43,7 +43,8 @@ class SamplingSession:
 class Service:
     """Every tenant's state, on one process's models."""
 
-    def __init__(self, state_dir: Path, device: str = "cpu", micro_batch_tokens: int = 4096):
+    def __init__(self, state_dir: Path, device: str = "cpu", micro_batch_tokens: int = 4096,
+                 sampler_snapshots: int = 4):  # fmt: skip
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.device = resolve_device(device)
@@ -55,6 +56,9 @@ class Service:
         self.runs: dict[str, Run] = {}
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self.snapshots: dict[str, tuple[str, Snapshot, str]] = {}  # sampler path -> (base name, snapshot, owner)
+        self.sampler_snapshots = sampler_snapshots  # per run: its newest, in memory (a long run makes one a step)
+        self.recent: dict[str, list[str]] = {}  # run -> the paths of its snapshots in memory, oldest first
+        self.dropped: set[str] = set()  # unnamed snapshots let go (nothing on disk to read them back from)
 
     # -- bases --
     def base(self, name: str) -> SharedBase:
@@ -139,8 +143,24 @@ class Service:
         else:
             path, directory = self._saved(model_id, "sampler_weights", name)
             self._write(directory, run, owner, tensors, None)
-        self.snapshots[path] = (run.base_name, Snapshot(run.training.shape, tensors), owner)
+        self._hold(model_id, path, (run.base_name, Snapshot(run.training.shape, tensors), owner))
         return path
+
+    def _hold(self, run_id: str, path: str, snapshot: tuple[str, Snapshot, str]) -> None:
+        """Keep `snapshot` in memory, and only the run's newest `sampler_snapshots`: older named ones are read from
+        disk again when asked for, older unnamed ones are gone."""
+        recent = self.recent.setdefault(run_id, [])
+        if path in self.snapshots:  # saved again under its name: the loaded adapter holds the old weights
+            self.samplers[self.snapshots[path][0]].forget(path)
+            recent.remove(path)
+        self.snapshots[path] = snapshot
+        recent.append(path)
+        while len(recent) > self.sampler_snapshots:
+            old = recent.pop(0)
+            base_name, _, _ = self.snapshots.pop(old)
+            self.samplers[base_name].forget(old)
+            if "/sampler_weights/ephemeral-" in old:
+                self.dropped.add(old)
 
     def load_weights(self, model_id: str, owner: str, path: str, *, optimizer: bool) -> None:
         """Resume run `model_id` from saved weights (`optimizer`: its Adam state too)."""
@@ -244,10 +264,15 @@ class Service:
     def snapshot(self, path: str, owner: str) -> tuple[str, Snapshot]:
         """A sampler snapshot by path, if `owner`'s: in memory, or read from disk (named ones, also those of an
         earlier server)."""
+        if path in self.dropped:
+            raise RequestError(f"model_path={path!r}: these unnamed sampler weights were let go: the server keeps "
+                               f"each run's newest {self.sampler_snapshots} in memory (--sampler-snapshots); "
+                               "save_weights_for_sampler with a name keeps them on disk")  # fmt: skip
         if path not in self.snapshots:
             meta, tensors, _ = self._read(path, owner)
             self.base(meta["base_model"])
-            self.snapshots[path] = (meta["base_model"], Snapshot(LoraShape(**meta["lora"]), tensors), meta["owner"])
+            snapshot = (meta["base_model"], Snapshot(LoraShape(**meta["lora"]), tensors), meta["owner"])
+            self._hold(TINKER_PATH.match(path)["run"], path, snapshot)
         base_name, snapshot, saved_by = self.snapshots[path]
         _same_owner(saved_by, owner, f"model_path={path!r}")
         return base_name, snapshot
