@@ -74,6 +74,17 @@ def tenants(rows: list[dict]) -> str:
                      for r in summary) or f"{len(rows)} rows"  # fmt: skip
 
 
+def cookbook_math_rl(rows: list[dict]) -> str:
+    summary = [r for r in rows if r.get("summary")]
+    if not summary:
+        return f"{len(rows)} rows"
+    last = summary[-1]
+    reward = last["env/all/reward/total"]
+    alone, together = (", ".join(f"{v:.3f}" for v in reward[k]) for k in ("alone", "two_at_once"))
+    return (f"mean reward over steps {last['window_from_step']}+: alone {alone}; two at once {together} (first 3 "
+            f"steps: {min(reward['first_steps']):.3f} to {max(reward['first_steps']):.3f})")  # fmt: skip
+
+
 def merge_throughput(rows: list[dict]) -> str:
     parts = []
     for backend, group in by([r for r in rows if "ratio_to_copy" in r and "model" not in r], "backend").items():
@@ -123,6 +134,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "learning_vs_trl": (ROOT / "benchmarks/results/learning_vs_trl.jsonl", learning_vs_trl),
     "multiturn_vs_trl": (ROOT / "benchmarks/results/multiturn_vs_trl.jsonl", multiturn_vs_trl),
     "tenants": (ROOT / "benchmarks/results/tenants.jsonl", tenants),
+    "cookbook_math_rl": (ROOT / "benchmarks/results/cookbook_math_rl.jsonl", cookbook_math_rl),
     "sync_modes": (ROOT / "benchmarks/results/sync_modes.jsonl", sync_modes),
     "rollout_throughput": (ROOT / "benchmarks/results/rollout_throughput.jsonl", rollout_throughput),
     "multiturn_rollout": (ROOT / "benchmarks/results/multiturn_rollout.jsonl", multiturn_rollout),

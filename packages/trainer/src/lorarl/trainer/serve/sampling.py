@@ -92,9 +92,7 @@ class Sampler:
             self.loaded.move_to_end(path)
             return name
         self.base.add_adapter(name, snapshot.shape)
-        self.base.load_adapter_tensors(name, snapshot.tensors)
-        for p in self.base.factors(name).values():
-            p.requires_grad_(False)
+        self.base.load_adapter_tensors(name, snapshot.tensors, share=True)
         self.loaded[path] = None
         while len(self.loaded) > self.capacity:
             old, _ = self.loaded.popitem(last=False)

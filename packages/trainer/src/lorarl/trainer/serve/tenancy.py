@@ -107,8 +107,9 @@ class SharedBase:
         """Copies of adapter `name`'s factors (`factors`' names)."""
         return {key: p.detach().clone() for key, p in self.factors(name).items()}
 
-    def load_adapter_tensors(self, name: str, tensors: dict[str, Tensor]) -> None:
-        """Copy `tensors` (as `adapter_tensors` names them) into adapter `name`, every shape checked first."""
+    def load_adapter_tensors(self, name: str, tensors: dict[str, Tensor], *, share: bool = False) -> None:
+        """Copy `tensors` (as `adapter_tensors` names them) into adapter `name`, every shape checked first; `share`:
+        the adapter's (frozen) factors become those tensors themselves — a sampler snapshot loaded costs no copy."""
         own = self.factors(name)
         if set(own) != set(tensors):
             raise RequestError(f"the weights do not fit this adapter: {len(set(tensors) ^ set(own))} tensor names "
@@ -119,7 +120,10 @@ class SharedBase:
                                    f"expected {tuple(p.shape)} (another rank?)")  # fmt: skip
         with torch.no_grad():
             for key, p in own.items():
-                p.copy_(tensors[key])
+                if share:
+                    p.requires_grad_(False).data = tensors[key]
+                else:
+                    p.copy_(tensors[key])
 
     def active(self, name: str | None):
         """A context computing with adapter `name` alone (None: the base model)."""
