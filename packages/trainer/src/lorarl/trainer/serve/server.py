@@ -440,20 +440,6 @@ def make_app(server: Server):
     return app
 
 
-def _return_large_frees() -> None:
-    """glibc raises its mmap threshold to the size of each large block freed, after which tensors of that size come
-    from the heap and stay in the process when freed: a server whose tenants allocate and free adapters, snapshots and
-    activations all day grew ~0.45 GB per tenant (SmolLM2, 4 tenants: 4.6 GB peak; with the threshold fixed at 1 MiB,
-    3.6 GB). Fixing it (mallopt) stops the adjustment; elsewhere than glibc this does nothing."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
 def main(argv: list[str]) -> int:
     """`trainer serve [--host H] [--port P] [--base NAME ...] [--state-dir DIR] [--api-key KEY]`."""
     parser = argparse.ArgumentParser(prog="trainer serve", description=__doc__.split("\n\n")[0])
@@ -474,7 +460,6 @@ def main(argv: list[str]) -> int:
     from aiohttp import web
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    _return_large_frees()
     service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots)
     for name in args.base:
         service.base(name)
