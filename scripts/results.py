@@ -81,8 +81,14 @@ def cookbook_math_rl(rows: list[dict]) -> str:
     last = summary[-1]
     reward = last["env/all/reward/total"]
     alone, together = (", ".join(f"{v:.3f}" for v in reward[k]) for k in ("alone", "two_at_once"))
+    pace = {}  # steps per second of all the runs on one server (each run's wall: the sum of its steps' times)
+    for count in (1, 2):
+        runs = [r for r in rows if r.get("runs_at_once") == count]
+        walls = [sum(s["time/total"] for s in r["steps"]) for r in runs]
+        pace[count] = sum(len(r["steps"]) for r in runs) / len(runs) * count / max(walls) if runs else 0
     return (f"mean reward over steps {last['window_from_step']}+: alone {alone}; two at once {together} (first 3 "
-            f"steps: {min(reward['first_steps']):.3f} to {max(reward['first_steps']):.3f})")  # fmt: skip
+            f"steps: {min(reward['first_steps']):.3f} to {max(reward['first_steps']):.3f}); two runs at once "
+            f"{pace[2] / pace[1]:.2f}x one's steps per second")  # fmt: skip
 
 
 def merge_throughput(rows: list[dict]) -> str:
