@@ -173,6 +173,16 @@ class StopStrings:
         return stopped
 
 
+def response_end(tokens: list[int], eos: int, stop_end: int | None) -> tuple[int, bool]:
+    """`(length, finished)` of one decoded row: through its stop (`stop_end`, the length with the token that ended
+    it, as `StopStrings.ends` records), else through `eos`, else cut at `max_tokens` (not finished)."""
+    if stop_end is not None:
+        return stop_end, True
+    if eos in tokens:
+        return tokens.index(eos) + 1, True
+    return len(tokens), False
+
+
 @torch.no_grad()
 def decode(
     model: nn.Module,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lorarl.trainer import cpu_attention
-from lorarl.trainer.decode import StopStrings, decode
+from lorarl.trainer.decode import StopStrings, decode, response_end
 from lorarl.trainer.engines import HFEngineSettings
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, SamplingParams, Worker
 from lorarl.weight_sync import Channel, Link, SyncStats, Update, copy_into, open_channel, save_adapter
@@ -185,11 +185,7 @@ def generate_with_hf(
                               min_tokens=sampling.min_tokens)  # fmt: skip
         stopped = stop.ends if stop is not None else {}  # row -> its length with the stop string
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
-            if row in stopped:
-                finished, length = True, stopped[row]
-            else:
-                finished = eos in row_tokens
-                length = row_tokens.index(eos) + 1 if finished else len(row_tokens)
+            length, finished = response_end(row_tokens, eos, stopped.get(row))
             completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
                                           finished, version))  # fmt: skip
     return completions

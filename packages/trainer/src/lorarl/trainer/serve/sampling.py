@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorarl.trainer.decode import StopStrings, decode
+from lorarl.trainer.decode import StopStrings, decode, response_end
 from lorarl.trainer.engines.hf import stop_candidates
 from lorarl.trainer.serve.tenancy import LoraShape, RequestError, SharedBase
 
@@ -110,10 +110,6 @@ class Sampler:
         if max(request.prompt) >= self.base.vocab_size or min(request.prompt) < 0:
             raise RequestError(f"prompt: token ids must be in [0, {self.base.vocab_size}) for {self.base.name}")
 
-    def sample(self, adapter: str | None, request: SampleRequest) -> list[Sequence]:
-        """`request.num_samples` responses to its prompt with `adapter` active (None: the base model)."""
-        return self.sample_many([(adapter, request)])[0]
-
     def sample_many(self, requests: list[tuple[str | None, SampleRequest]]) -> list[list[Sequence]]:
         """The responses to each request, those that sample alike decoded together — one batch for many tenants'
         adapters (peft's mixed-batch forward). A seeded request decodes alone: its samples depend on its seed only."""
@@ -165,12 +161,7 @@ class Sampler:
         ends = stop.ends if stop is not None else {}
         sequences = []
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
-            if row in ends:
-                length, reason = ends[row], "stop"
-            elif eos in row_tokens:
-                length, reason = row_tokens.index(eos) + 1, "stop"
-            else:
-                length, reason = len(row_tokens), "length"
-            sequences.append(Sequence(row_tokens[:length], row_logp[:length], reason))
+            length, finished = response_end(row_tokens, eos, ends.get(row))
+            sequences.append(Sequence(row_tokens[:length], row_logp[:length], "stop" if finished else "length"))
         n = first.num_samples
         return [sequences[i * n : (i + 1) * n] for i in range(len(requests))]

@@ -290,12 +290,6 @@ class Service:
         _, snapshot = self.snapshot(session.model_path, session.owner)
         return self.samplers[session.base_name].activate(session.model_path, snapshot)
 
-    def sample(self, session_id: str, owner: str, request: SampleRequest) -> list[Sequence]:
-        (answer,) = self.sample_many([(session_id, owner, request)])
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
     def sample_many(self, requests: list[tuple[str, str, SampleRequest]]) -> list[list[Sequence] | Exception]:
         """Each `(sampling session, owner, request)`'s sequences — or the error that request alone meets. Requests on
         one base are decoded together, whichever runs' weights they sample (`Sampler.sample_many`)."""
