@@ -173,6 +173,14 @@ class StopStrings:
         return stopped
 
 
+def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[Tensor, Tensor]:
+    """`(input_ids, attention_mask)` `[B, P]` of `prompts`, padded on the left (what `decode` takes)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
 def response_end(tokens: list[int], eos: int, stop_end: int | None) -> tuple[int, bool]:
     """`(length, finished)` of one decoded row: through its stop (`stop_end`, the length with the token that ended
     it, as `StopStrings.ends` records), else through `eos`, else cut at `max_tokens` (not finished)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lorarl.trainer import cpu_attention
-from lorarl.trainer.decode import StopStrings, decode, response_end
+from lorarl.trainer.decode import StopStrings, decode, left_padded, response_end
 from lorarl.trainer.engines import HFEngineSettings
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, SamplingParams, Worker
 from lorarl.weight_sync import Channel, Link, SyncStats, Update, copy_into, open_channel, save_adapter
@@ -173,9 +173,7 @@ def generate_with_hf(
     per_batch = max(1, settings.batch_size // n)
     for start in range(0, len(prompts), per_batch):
         chunk = [list(p) for p in prompts[start : start + per_batch]]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        ids, mask = left_padded(chunk, pad, device)
         stop = None
         if sampling.stop:
             candidates = stop_candidates(tokenizer, sampling.stop, model.get_output_embeddings().weight.shape[0])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorarl.trainer.decode import StopStrings, decode, response_end
+from lorarl.trainer.decode import StopStrings, decode, left_padded, response_end
 from lorarl.trainer.engines.hf import stop_candidates
 from lorarl.trainer.serve.tenancy import LoraShape, RequestError, SharedBase
 
@@ -145,10 +145,7 @@ class Sampler:
         generator = torch.Generator(device=base.device)
         generator.manual_seed(first.seed if first.seed is not None else int(torch.seed() % (1 << 62)))
         pad = tokenizer.pad_token_id
-        width = max(len(r.prompt) for _, r in requests)
-        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for _, r in requests], device=base.device)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for _, r in requests],
-                            device=base.device)  # fmt: skip
+        ids, mask = left_padded([r.prompt for _, r in requests], pad, base.device)
         adapters = [adapter for adapter, _ in requests]
         mixed = len(set(adapters)) > 1
         names = [BASE_ROW if a is None else a for a in adapters] if mixed else None
