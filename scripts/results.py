@@ -74,6 +74,12 @@ def tenants(rows: list[dict]) -> str:
                      for r in summary) or f"{len(rows)} rows"  # fmt: skip
 
 
+def mixed_update(rows: list[dict]) -> str:
+    return "; ".join(f"{r['model']} x{r['tenants']}: mixed-adapter batch {r['mixed_speedup']:.2f}x the "
+                     f"time-multiplexed round's speed (gradients' max rel. diff {r['gradient_max_rel_diff']:.1g})"
+                     for r in rows)  # fmt: skip
+
+
 def cookbook_math_rl(rows: list[dict]) -> str:
     summary = [r for r in rows if r.get("summary")]
     if not summary:
@@ -140,6 +146,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "learning_vs_trl": (ROOT / "benchmarks/results/learning_vs_trl.jsonl", learning_vs_trl),
     "multiturn_vs_trl": (ROOT / "benchmarks/results/multiturn_vs_trl.jsonl", multiturn_vs_trl),
     "tenants": (ROOT / "benchmarks/results/tenants.jsonl", tenants),
+    "mixed_update": (ROOT / "benchmarks/results/mixed_update.jsonl", mixed_update),
     "cookbook_math_rl": (ROOT / "benchmarks/results/cookbook_math_rl.jsonl", cookbook_math_rl),
     "sync_modes": (ROOT / "benchmarks/results/sync_modes.jsonl", sync_modes),
     "rollout_throughput": (ROOT / "benchmarks/results/rollout_throughput.jsonl", rollout_throughput),
