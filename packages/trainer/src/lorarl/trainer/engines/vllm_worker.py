@@ -66,6 +66,7 @@ class VllmSettings:
     inline: bool = False  # in the trainer's process (sleeping while it trains, on GPUs)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # inline, tensor-parallel: the CUDA IPC buckets' size
     keeps_weights_asleep: bool = True  # sleep level 1 (weights kept in host memory), not 2 (freed)
+    max_loras: int = 1  # adapters in one batch (a run serves one; `trainer serve` one per run's snapshot)
 
     @property
     def on_gpu(self) -> bool:
@@ -102,7 +103,7 @@ def engine_args(settings: VllmSettings) -> dict:
     if settings.max_model_len is not None:
         args["max_model_len"] = settings.max_model_len
     if settings.max_lora_rank is not None:
-        args.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=1)
+        args.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     if settings.inline and settings.on_gpu:
         args["enable_sleep_mode"] = True
     return args

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lorarl.trainer.decode import StopStrings, decode, left_padded, response_end
 from lorarl.trainer.engines.hf import stop_candidates
-from lorarl.trainer.serve.tenancy import LoraShape, RequestError, SharedBase
+from lorarl.trainer.serve.tenancy import Datum, LoraShape, RequestError, SharedBase
 
 BASE_ROW = "__base__"  # peft's name for a row of a mixed batch that the base model answers
 
@@ -41,6 +41,15 @@ class Snapshot:
 
     shape: LoraShape
     tensors: dict[str, Tensor]
+
+
+def check_request(base: SharedBase, request: SampleRequest) -> None:
+    """A request this base can answer: its prompt's and stop tokens' ids in the vocabulary."""
+    if not request.prompt:
+        raise RequestError("prompt: expected at least one token")
+    for what, ids in (("prompt", request.prompt), ("stop", request.stop_tokens)):
+        if ids and (max(ids) >= base.vocab_size or min(ids) < 0):
+            raise RequestError(f"{what}: token ids must be in [0, {base.vocab_size}) for {base.name}")
 
 
 class StopTokens:
@@ -104,11 +113,19 @@ class Sampler:
             self.base.remove_adapter(self.slot(path))
 
     def check(self, request: SampleRequest) -> None:
-        """A request this base can answer: its prompt's ids in the vocabulary."""
-        if not request.prompt:
-            raise RequestError("prompt: expected at least one token")
-        if max(request.prompt) >= self.base.vocab_size or min(request.prompt) < 0:
-            raise RequestError(f"prompt: token ids must be in [0, {self.base.vocab_size}) for {self.base.name}")
+        check_request(self.base, request)
+
+    def prompt_logprobs(self, adapter: str | None, prompt: list[int]) -> list[float | None]:
+        """Each prompt token's log-prob given those before it (None for the first), under `adapter`'s weights."""
+        if len(prompt) < 2:
+            return [None] * len(prompt)
+        datum = Datum(prompt[:-1], torch.tensor(prompt[1:]), {})
+        with torch.no_grad():
+            ((_, logp),) = list(self.base.target_logprobs(adapter, [datum]))
+        return [None, *logp.tolist()]
+
+    def close(self) -> None:
+        """Nothing to release: the snapshots' adapters go with the base."""
 
     def sample_many(self, requests: list[tuple[str | None, SampleRequest]]) -> list[list[Sequence]]:
         """The responses to each request, those that sample alike decoded together — one batch for many tenants'

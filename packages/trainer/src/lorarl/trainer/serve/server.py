@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lorarl.trainer.serve.sampling import SampleRequest
+from lorarl.trainer.serve.sampling import Sampler, SampleRequest
 from lorarl.trainer.serve.service import Service
 from lorarl.trainer.serve.tenancy import LoraShape, RequestError
 from lorarl.trainer.serve.wire import (
@@ -412,8 +413,12 @@ def make_app(server: Server):
     async def started(app) -> None:
         server.loop = asyncio.get_running_loop()
 
+    async def stopped(app) -> None:  # after the last request: the samplers (a vLLM engine) stop on the compute thread
+        await server.run_async(server.service.close)
+
     app = web.Application(middlewares=[guard], client_max_size=1 << 31)
     app.on_startup.append(started)
+    app.on_cleanup.append(stopped)
     routes = {
         "client/config": server.client_config,
         "create_session": server.create_session,
@@ -456,11 +461,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--sampler-snapshots", type=int, default=4,
                         help="each run's newest sampler weights held in memory (older unnamed: let go)")  # fmt: skip
+    parser.add_argument("--sampler", choices=("hf", "vllm"), default="hf",
+                        help="what samples: the HF decode loop with peft's mixed-adapter batches, or vLLM's multi-LoRA "
+                             "(GPUs, or its CPU build: run from scripts/vllm_cpu_env.sh's environment)")  # fmt: skip
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="--sampler vllm: the highest rank it serves")
+    parser.add_argument("--max-loras", type=int, default=8, help="--sampler vllm: snapshots decoded in one batch")
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="--sampler vllm on the CPU: its KV cache")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                        help="--sampler vllm on a GPU: the share vLLM takes (training needs the rest)")  # fmt: skip
     args = parser.parse_args(argv)
     from aiohttp import web
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots)
+    sampler = Sampler
+    if args.sampler == "vllm":
+        from lorarl.trainer.serve.vllm_sampling import VllmSampler
+
+        sampler = functools.partial(VllmSampler, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+                                    kv_cache_gb=args.kv_cache_gb,
+                                    gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots, sampler)
     for name in args.base:
         service.base(name)
     server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base))

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from lorarl.trainer.models import resolve_device
 from lorarl.trainer.serve.sampling import Sampler, SampleRequest, Sequence, Snapshot
-from lorarl.trainer.serve.tenancy import Datum, LoraShape, RequestError, SharedBase, TrainingRun
+from lorarl.trainer.serve.tenancy import Datum, LoraShape, RequestError, SharedBase, TrainingRun, write_adapter
 
 TINKER_PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -44,11 +45,13 @@ class Service:
     """Every tenant's state, on one process's models."""
 
     def __init__(self, state_dir: Path, device: str = "cpu", micro_batch_tokens: int = 4096,
-                 sampler_snapshots: int = 4):  # fmt: skip
+                 sampler_snapshots: int = 4, sampler: Callable[[SharedBase], Sampler] = Sampler):  # fmt: skip
+        """`sampler` makes a base's sampler: `Sampler` (the HF decode loop) or a `VllmSampler` factory."""
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.device = resolve_device(device)
         self.micro_batch_tokens = micro_batch_tokens
+        self.make_sampler = sampler
         self.bases: dict[str, SharedBase] = {}
         self.samplers: dict[str, Sampler] = {}
         self.sessions: dict[str, float] = {}  # session id -> last heartbeat
@@ -68,8 +71,17 @@ class Service:
                 self.bases[name] = SharedBase(name, self.device, micro_batch_tokens=self.micro_batch_tokens)
             except Exception as error:
                 raise RequestError(f"base_model={name!r}: cannot be loaded ({error})") from None
-            self.samplers[name] = Sampler(self.bases[name])
+            try:
+                self.samplers[name] = self.make_sampler(self.bases[name])
+            except Exception as error:
+                del self.bases[name]
+                raise RequestError(f"base_model={name!r}: its sampler cannot start ({error})") from None
         return self.bases[name]
+
+    def close(self) -> None:
+        """Stop the samplers (a vLLM engine, and its adapters' directories)."""
+        for sampler in self.samplers.values():
+            sampler.close()
 
     # -- sessions and runs --
     def create_session(self, session_id: str, owner: str) -> None:
@@ -209,19 +221,10 @@ class Service:
 
     def _write(self, directory: Path, run: Run, owner: str, tensors: dict, extra: dict | None) -> None:
         """A saved state, whole or absent: written beside, then renamed into place."""
-        from safetensors.torch import save_file
-
         partial = directory.with_name(directory.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        (partial / "adapter").mkdir(parents=True)
         training = run.training
-        # `factors`' names are peft's names in a saved adapter
-        save_file(
-            {key: t.contiguous() for key, t in tensors.items()}, partial / "adapter" / "adapter_model.safetensors"
-        )
-        config = training.base.model.peft_config[run.training.model_id].to_dict()
-        config["target_modules"] = sorted(config["target_modules"])
-        (partial / "adapter" / "adapter_config.json").write_text(json.dumps(config, default=str, indent=1))
+        write_adapter(partial / "adapter", training.base.lora_config(training.shape), tensors)
         if extra is not None:
             torch.save(extra, partial / "optimizer.pt")
         meta = {"base_model": run.base_name, "lora": asdict(training.shape), "time": _now(), "owner": owner}
@@ -311,14 +314,7 @@ class Service:
     def prompt_logprobs(self, session_id: str, owner: str, prompt: list[int]) -> list[float | None]:
         """Each prompt token's log-prob given those before it (None for the first), under the session's weights."""
         session = self.sampling_session(session_id, owner)
-        base = self.bases[session.base_name]
-        adapter = self._sampler_adapter(session)
-        if len(prompt) < 2:
-            return [None] * len(prompt)
-        datum = Datum(prompt[:-1], torch.tensor(prompt[1:]), {})
-        with torch.no_grad():
-            ((_, logp),) = list(base.target_logprobs(adapter, [datum]))
-        return [None, *logp.tolist()]
+        return self.samplers[session.base_name].prompt_logprobs(self._sampler_adapter(session), prompt)
 
 
 def _same_owner(found: str | None, owner: str, what: str) -> None:

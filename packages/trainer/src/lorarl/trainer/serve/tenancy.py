@@ -6,9 +6,11 @@ Why adapters by name on one `PeftModel` rather than a model per run: the base's 
 an adapter of rank r on a 135M model is well under 1% of it — four runs cost about what one does."""
 
 import contextlib
+import json
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -72,14 +74,20 @@ class SharedBase:
                                "train_unembed)")  # fmt: skip
         return targets
 
-    def add_adapter(self, name: str, shape: LoraShape) -> list[nn.Parameter]:
-        """A new adapter `name` of `shape` (B = 0: the base's outputs at first), initialised from `shape.seed` where
-        given; returns its trainable parameters."""
-        from peft import LoraConfig, get_peft_model
+    def lora_config(self, shape: LoraShape):
+        """peft's `LoraConfig` of an adapter of `shape` on this base."""
+        from peft import LoraConfig
 
         if shape.rank < 1:
             raise RequestError(f"lora_config.rank must be >= 1, got {shape.rank}")
-        config = LoraConfig(r=shape.rank, lora_alpha=ALPHA, target_modules=self.target_modules(shape), lora_dropout=0.0)
+        return LoraConfig(r=shape.rank, lora_alpha=ALPHA, target_modules=self.target_modules(shape), lora_dropout=0.0)
+
+    def add_adapter(self, name: str, shape: LoraShape) -> list[nn.Parameter]:
+        """A new adapter `name` of `shape` (B = 0: the base's outputs at first), initialised from `shape.seed` where
+        given; returns its trainable parameters."""
+        from peft import get_peft_model
+
+        config = self.lora_config(shape)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             # peft warns of an adapted head tied to the embeddings, for merging: adapters here are never merged
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
@@ -175,6 +183,18 @@ class SharedBase:
         with head_replaced(head, score):
             model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
         return found[0].reshape(-1, k)
+
+
+def write_adapter(directory: Path, config, tensors: dict[str, Tensor]) -> None:
+    """A peft adapter directory (`PeftModel.from_pretrained` and vLLM's `LoRARequest` read it): `tensors` named as
+    `SharedBase.factors` names them — peft's names in a saved adapter — and `config`, a `LoraConfig`."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({key: t.contiguous() for key, t in tensors.items()}, directory / "adapter_model.safetensors")
+    saved = config.to_dict()
+    saved["target_modules"] = sorted(saved["target_modules"])
+    (directory / "adapter_config.json").write_text(json.dumps(saved, default=str, indent=1))
 
 
 class TrainingRun:
