@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "packages" / "trainer" / "tests"))
 
 from learning_vs_trl import json_lines_writer, prepare  # noqa: E402
-from serve_fixtures import free_port  # noqa: E402
+from serve_fixtures import dies_with_parent, free_port  # noqa: E402
 from step_vs_trl import GB, tree_rss  # noqa: E402
 
 KEY = "tml-bench"
@@ -46,7 +46,8 @@ class MeasuredServer:
         command = [sys.executable, "-m", "lorarl.trainer.cli", "serve", "--port", str(self.port), "--base", model,
                    "--state-dir", str(state_dir), "--api-key", KEY, "--sampler", sampler]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                                        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                        preexec_fn=dies_with_parent)  # fmt: skip
         self.peak, self.running = 0, True
         self.sampler = threading.Thread(target=self._sample, daemon=True)
         self.sampler.start()

@@ -12,12 +12,22 @@ import httpx
 import torch
 
 KEYS = ("tml-tenant-a", "tml-tenant-b")
+CLIENTS: dict[str, list] = {}  # server URL -> the SDK clients made for it (closed before the server stops)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dies_with_parent() -> None:
+    """In a child, before it runs: the kernel kills it when its parent dies (a test process killed by its timeout
+    would otherwise leave a server computing on the machine's cores)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @contextlib.contextmanager
@@ -28,7 +38,7 @@ def running_server(model: str, state_dir: Path, *extra: str):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "lorarl.trainer.cli", "serve", "--port", str(port), "--base", model,
                "--state-dir", str(state_dir), *[a for key in KEYS for a in ("--api-key", key)], *extra]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=dies_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -42,6 +52,9 @@ def running_server(model: str, state_dir: Path, *extra: str):
                 time.sleep(0.3)
         yield url
     finally:
+        for client in CLIENTS.pop(url, []):  # their sessions end: no heartbeat left knocking at a stopped server
+            with contextlib.suppress(Exception):
+                client.close("success").result(timeout=10)
         process.terminate()
         process.wait(timeout=30)
         log.close()
@@ -50,7 +63,9 @@ def running_server(model: str, state_dir: Path, *extra: str):
 def service_client(url: str, key: str = KEYS[0]):
     import tinker
 
-    return tinker.ServiceClient(base_url=url, api_key=key)
+    client = tinker.ServiceClient(base_url=url, api_key=key)
+    CLIENTS.setdefault(url, []).append(client)
+    return client
 
 
 def datum(tokens: list[int], **inputs):

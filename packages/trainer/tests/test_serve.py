@@ -4,6 +4,7 @@ restart resuming exactly, and the bad-input and isolation cases."""
 
 import concurrent.futures
 import math
+import time
 
 import httpx
 import pytest
@@ -280,3 +281,25 @@ def test_a_run_keeps_its_newest_sampler_weights_in_memory(tmp_path):
             assert len(sampler.sample(prompt, 1, sampling).result().sequences) == 1
         from_disk = service_client(url).create_sampling_client(model_path=named).result()
         assert len(from_disk.sample(prompt, 1, sampling).result().sequences) == 1
+
+
+def test_results_are_let_go_after_their_time_to_live(tmp_path):
+    """A long-lived server would otherwise hold every request's result: `--result-ttl` seconds after it is ready, a
+    result is let go, and asking for it again says so."""
+    model = str(make_model_dir(tmp_path / "model"))
+    with running_server(model, tmp_path / "state", "--result-ttl", "1") as url:
+        headers = {"x-api-key": KEYS[0]}
+
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(f"{url}/api/v1/{path}", headers=headers, json=body, timeout=30)
+
+        session = post("create_session", {})
+        create = {"session_id": session.json()["session_id"], "base_model": model, "lora_config": {"rank": 4}}
+        request = {"request_id": post("create_model", create).json()["request_id"]}
+        assert post("retrieve_future", request).json()["type"] == "create_model"
+        assert post("retrieve_future", request).json()["type"] == "create_model"  # polled again: still there
+        time.sleep(2.5)
+        gone = post("retrieve_future", request)
+        assert gone.status_code == 404
+        assert gone.json() == {"error": f"request_id={request['request_id']!r}: no such request (results are kept "
+                               "1 s after they are ready: --result-ttl)", "category": "user"}  # fmt: skip

