@@ -83,7 +83,8 @@ async def tenant(client, model: str, index: int, args, prompts: list[list[int]],
     """One tenant's loop; its counts over the timed window."""
     from tinker import types
 
-    tc = await client.create_lora_training_client(base_model=model, rank=args.rank, seed=index)
+    tc = await client.create_lora_training_client(base_model=model, rank=args.rank, seed=index,
+                                                  train_unembed=args.unembed)  # fmt: skip
     sampler = await tc.save_weights_and_get_sampling_client_async()
     sampling = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
     rng = random.Random(index)
@@ -183,6 +184,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=16, help="sample requests per step (one sequence each)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--unembed", action=argparse.BooleanOptionalAction, default=True,
+                        help="the runs' LoRA adapts the unembedding too (the SDK's default)")  # fmt: skip
     parser.add_argument("--samplers", default="hf", help="the server's --sampler: hf, vllm (run from the vLLM "
                         "environment: scripts/vllm_cpu_env.sh --bench), or both, interleaved")  # fmt: skip
     parser.add_argument("--data", default="outputs/smollm2", help="where the SmolLM2 recipe's model is fetched")

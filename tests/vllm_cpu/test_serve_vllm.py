@@ -1,7 +1,9 @@
 """`trainer serve --sampler vllm` against the real vLLM CPU engine, driven by the real `tinker` SDK: every run's
-sampler weights served by one engine as LoRA adapters of their own, decoded together, each sequence scored under its
-own run's weights as the server's trainer scores it. (vLLM adapts no unembedding of a Qwen2, the tiny model here: the
-runs train attention and MLP; SmolLM2's Llama takes the SDK's default, `benchmarks/tenants.py --sampler vllm`.)"""
+sampler weights served by one engine — merged into its weights snapshot by snapshot (`--vllm-adapters merged`, the
+CPU's default) or as LoRA requests in one batch (`batched`) — each sequence scored under its own run's weights as the
+server's trainer scores it. (The tiny model is a tied Qwen2, whose unembedding vLLM neither adapts nor loads apart
+from the embeddings: its runs train attention and MLP; SmolLM2's runs take the SDK's default in
+`benchmarks/tenants.py --samplers vllm`.)"""
 
 import concurrent.futures
 
@@ -15,13 +17,13 @@ from vllm_cpu_helpers import make_model_dir
 ATOL = 1e-4  # vLLM's CPU kernels against the trainer's forward, both float32
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-vllm")
+@pytest.fixture(scope="module", params=["merged", "batched"])
+def served(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"serve-vllm-{request.param}")
     model = str(make_model_dir(root / "model", tie=True))
-    with running_server(model, root / "state", "--sampler", "vllm", "--kv-cache-gb", "0.25",
-                        "--max-lora-rank", "16") as url:  # fmt: skip
-        yield {"url": url, "model": model, "log": root / f"serve-{url.rsplit(':', 1)[1]}.log"}
+    with running_server(model, root / "state", "--sampler", "vllm", "--vllm-adapters", request.param,
+                        "--kv-cache-gb", "0.25", "--max-lora-rank", "16") as url:  # fmt: skip
+        yield {"url": url, "model": model, "log": root / f"serve-{url.rsplit(':', 1)[1]}.log", "mode": request.param}
 
 
 def new_run(served: dict, key: str = KEYS[0], rank: int = 4, seed: int = 0, unembed: bool = False):
@@ -92,9 +94,14 @@ def test_prompt_logprobs_and_stop_tokens_through_vllm(served):
 
 def test_weights_the_engine_cannot_serve_fail_their_own_request_and_it_serves_on(served):
     prompt, sampling = types.ModelInput.from_ints([1, 2]), types.SamplingParams(max_tokens=2)
-    too_high = new_run(served, rank=32).save_weights_and_get_sampling_client().result()
-    with pytest.raises(tinker.RequestFailedError, match="max-lora-rank 16"):
-        too_high.sample(prompt, 1, sampling).result()
+    high, high_sampler = trained_run(served, KEYS[0], rank=32, seed=4)
+    if served["mode"] == "batched":  # a LoRA request's rank is bounded by the engine's
+        with pytest.raises(tinker.RequestFailedError, match="max-lora-rank 16"):
+            high_sampler.sample(prompt, 1, sampling).result()
+    else:  # merged weights know no rank
+        (sequence,) = high_sampler.sample(prompt, 1, sampling).result().sequences
+        trainer = trainer_logprobs(high, [1, 2], list(sequence.tokens))
+        torch.testing.assert_close(torch.tensor(sequence.logprobs), trainer, atol=ATOL, rtol=0)
     unembedding = new_run(served, unembed=True).save_weights_and_get_sampling_client().result()
     with pytest.raises(tinker.RequestFailedError, match=r"vLLM cannot serve these sampler weights.*lm_head"):
         unembedding.sample(prompt, 1, sampling).result()

