@@ -27,9 +27,11 @@ def served(request, tmp_path_factory):
 
 
 def new_run(served: dict, key: str = KEYS[0], rank: int = 4, seed: int = 0, unembed: bool = False):
-    return service_client(served["url"], key).create_lora_training_client(
-        base_model=served["model"], rank=rank, seed=seed, train_unembed=unembed
-    ).result()
+    return (
+        service_client(served["url"], key)
+        .create_lora_training_client(base_model=served["model"], rank=rank, seed=seed, train_unembed=unembed)
+        .result()
+    )
 
 
 def trained_run(served: dict, key: str, rank: int, seed: int):
@@ -109,3 +111,19 @@ def test_weights_the_engine_cannot_serve_fail_their_own_request_and_it_serves_on
         unembedding.sample(prompt, 1, types.SamplingParams(max_tokens=2, stop=[500])).result()
     _, fine = trained_run(served, KEYS[1], rank=4, seed=5)
     assert len(fine.sample(prompt, 3, sampling).result().sequences) == 3
+
+
+def test_sampler_weights_saved_again_under_their_name_are_served_anew(served):
+    tc, _ = trained_run(served, KEYS[0], rank=4, seed=6)
+    path = tc.save_weights_for_sampler("again").result().path
+    client, prompt = service_client(served["url"]), [1, 2, 3]
+    sampling = types.SamplingParams(max_tokens=4)
+    client.create_sampling_client(model_path=path).result().sample(types.ModelInput.from_ints(prompt), 1,
+                                                                   sampling).result()  # fmt: skip
+    tc.forward_backward([datum([9, 8, 7, 6, 5])], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.2)).result()
+    assert tc.save_weights_for_sampler("again").result().path == path
+    again = client.create_sampling_client(model_path=path).result()
+    (sequence,) = again.sample(types.ModelInput.from_ints(prompt), 1, sampling).result().sequences
+    trainer = trainer_logprobs(tc, prompt, list(sequence.tokens))
+    torch.testing.assert_close(torch.tensor(sequence.logprobs), trainer, atol=ATOL, rtol=0)

@@ -71,6 +71,7 @@ class VllmSampler:
         self.served: dict[str, Served] = {}  # snapshot path -> how the engine serves it
         self.holding: object = None  # the path whose factors the engine's weights hold (None: the base's)
         self.transfer = None  # the factor sync into the engine, opened with the first merge
+        self.base_sent = False  # the transfer engine keeps the pristine base (sent with the first factor set)
         self._ids = itertools.count(1)  # LoRA request ids, and factor sync versions
         where = SHARED_MEMORY if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK) else None
         self.directory = Path(tempfile.mkdtemp(prefix="lorarl-serve-", dir=where))
@@ -107,6 +108,8 @@ class VllmSampler:
 
     def forget(self, path: str) -> None:
         served = self.served.pop(path, None)
+        if self.holding == path:  # a snapshot saved again under this path must be merged afresh
+            self.holding = UNKNOWN
         if served is not None and served.lora is not None:
             self.llm.llm_engine.remove_lora(served.lora.lora_int_id)
             shutil.rmtree(served.lora.lora_path, ignore_errors=True)
@@ -161,12 +164,13 @@ class VllmSampler:
             return
         from lorarl.weight_sync.vllm import OfflineClient, VllmWeightTransfer
 
-        first = self.transfer is None
-        if first:  # in this process: the workers take the trainer's tensors as they are
+        if self.transfer is None:  # in this process: the workers take the trainer's tensors as they are
             self.transfer = VllmWeightTransfer(OfflineClient(self.llm), channel="local", workers=1)
         factors = served.factors if key is not None else {}
         self.holding = UNKNOWN
-        self.transfer.send(Update("factors", next(self._ids), factor_set(factors, self._base() if first else None)))
+        base = None if self.base_sent else self._base()
+        self.transfer.send(Update("factors", next(self._ids), factor_set(factors, base)))
+        self.base_sent = True
         self.llm.reset_prefix_cache()  # its blocks were computed with other weights
         self.holding = key
 
