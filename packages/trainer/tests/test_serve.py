@@ -3,7 +3,10 @@ on the adapter the server saved, sampling log-probs against the trainer's, tenan
 restart resuming exactly, and the bad-input and isolation cases."""
 
 import concurrent.futures
+import importlib.util
 import math
+import subprocess
+import sys
 import time
 
 import httpx
@@ -303,3 +306,15 @@ def test_results_are_let_go_after_their_time_to_live(tmp_path):
         assert gone.status_code == 404
         assert gone.json() == {"error": f"request_id={request['request_id']!r}: no such request (results are kept "
                                "1 s after they are ready: --result-ttl)", "category": "user"}  # fmt: skip
+
+
+def test_a_server_that_cannot_start_says_why_without_a_traceback(tmp_path):
+    cases = [(["--base", str(tmp_path / "missing")], "is not a Hugging Face model directory")]
+    if importlib.util.find_spec("vllm") is None:  # this project's environment: vLLM lives in its own
+        cases.append((["--sampler", "vllm", "--base", "default"], "--sampler vllm: vLLM is not installed here"))
+    for args, expected in cases:
+        command = [sys.executable, "-m", "lorarl.trainer.cli", "serve", "--state-dir", str(tmp_path / "state"), *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert expected in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr

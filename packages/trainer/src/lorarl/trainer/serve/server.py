@@ -496,7 +496,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sampler = Sampler
     if args.sampler == "vllm":
+        import importlib.util
+
+        from lorarl.trainer.engines import VLLM_INSTALL
         from lorarl.trainer.serve.vllm_sampling import VllmSampler
+
+        if importlib.util.find_spec("vllm") is None:
+            parser.error(f"--sampler vllm: vLLM is not installed here ({VLLM_INSTALL})")
 
         sampler = functools.partial(VllmSampler, adapters=args.vllm_adapters, max_lora_rank=args.max_lora_rank,
                                     max_loras=args.max_loras,
@@ -504,7 +510,10 @@ def main(argv: list[str]) -> int:
                                     gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots, sampler)
     for name in args.base:
-        service.base(name)
+        try:
+            service.base(name)
+        except RequestError as error:
+            parser.error(f"--base {name}: {error}")
     server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base), result_ttl=args.result_ttl)
     print(f"serving the Tinker API at http://{args.host}:{args.port} (TINKER_BASE_URL)", flush=True)
     web.run_app(make_app(server), host=args.host, port=args.port, print=None)
