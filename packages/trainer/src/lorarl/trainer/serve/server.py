@@ -503,10 +503,8 @@ def main(argv: list[str]) -> int:
 
         if importlib.util.find_spec("vllm") is None:
             parser.error(f"--sampler vllm: vLLM is not installed here ({VLLM_INSTALL})")
-
         sampler = functools.partial(VllmSampler, adapters=args.vllm_adapters, max_lora_rank=args.max_lora_rank,
-                                    max_loras=args.max_loras,
-                                    kv_cache_gb=args.kv_cache_gb,
+                                    max_loras=args.max_loras, kv_cache_gb=args.kv_cache_gb,
                                     gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     service = Service(Path(args.state_dir), args.device, args.micro_batch_tokens, args.sampler_snapshots, sampler)
     for name in args.base:

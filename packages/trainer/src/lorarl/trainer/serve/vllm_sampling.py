@@ -23,7 +23,7 @@ from pathlib import Path
 from torch import nn
 
 from lorarl.trainer.engines.base import SamplingParams as EngineSampling
-from lorarl.trainer.engines.vllm_worker import VllmSettings, sampling_args, start_llm
+from lorarl.trainer.engines.vllm_worker import VllmSettings, sampling_args, start_llm, to_completions
 from lorarl.trainer.serve.sampling import SampleRequest, Sequence, Snapshot, check_request
 from lorarl.trainer.serve.tenancy import ALPHA, ATTENTION, MLP, RequestError, SharedBase, write_adapter
 from lorarl.trainer.weights import base_weights
@@ -141,25 +141,29 @@ class VllmSampler:
         when batched (vLLM's multi-LoRA), one merged snapshot's when merged — the weights the engine holds first."""
         groups: dict[object, list[int]] = {}
         for i, (served, _) in enumerate(requests):
-            merged = served is not None and served.factors is not None
-            groups.setdefault(served.path if merged else None, []).append(i)
+            groups.setdefault(self._weights(served), []).append(i)
         answers: list[list[Sequence]] = [[] for _ in requests]
         for key in sorted(groups, key=lambda k: k != self.holding):
             members = groups[key]
-            self._hold(key, requests[members[0]][0])
+            self._hold(requests[members[0]][0])
             outputs = self._generate([self._prompt(requests[i][1]) for i in members],
                                      [self.params(requests[i][1]) for i in members],
                                      [self._lora(requests[i][0]) for i in members])  # fmt: skip
-            for i, output in zip(members, outputs, strict=True):
-                answers[i] = [Sequence(list(sample.token_ids), [float(step[token].logprob) for step, token in
-                                                                zip(sample.logprobs, sample.token_ids, strict=True)],
-                                       "stop" if sample.finish_reason == "stop" else "length")
-                              for sample in output.outputs]  # fmt: skip
+            for completion in to_completions(outputs, version=0):
+                answers[members[completion.prompt_index]].append(
+                    Sequence(list(completion.token_ids), list(completion.logprobs),
+                             "stop" if completion.finished else "length"))  # fmt: skip
         return answers
 
-    def _hold(self, key: object, served: Served | None) -> None:
-        """The engine's weights: the base's merged with `served`'s factors (`key` its path), or the base's alone
-        (`key` None) — changed by a factor sync only when they are not that already."""
+    @staticmethod
+    def _weights(served: Served | None) -> str | None:
+        """The engine weights that serve `served`: its path where merged, None (the base's) for the base or a LoRA."""
+        return served.path if served is not None and served.factors is not None else None
+
+    def _hold(self, served: Served | None) -> None:
+        """Make the engine's weights those that serve `served` (`_weights`): the base's merged with its factors, or
+        the base's alone — by a factor sync, only where they are not that already."""
+        key = self._weights(served)
         if key == self.holding:
             return
         from lorarl.weight_sync.vllm import OfflineClient, VllmWeightTransfer
@@ -197,8 +201,7 @@ class VllmSampler:
         """Each prompt token's log-prob given those before it (None for the first), as vLLM scores the prompt."""
         import vllm
 
-        merged = served is not None and served.factors is not None
-        self._hold(served.path if merged else None, served)
+        self._hold(served)
         params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         (output,) = self._generate([self._prompt(SampleRequest(prompt, 1, 1))], params, self._lora(served))
         scored = output.prompt_logprobs
