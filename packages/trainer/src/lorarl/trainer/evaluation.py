@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorarl.trainer import data, scoring
+from lorarl.trainer import data, scoring, threads
 from lorarl.trainer.engines import RolloutEngine
 from lorarl.trainer.envs.episodes import EpisodeRunner, episode_runner
 from lorarl.trainer.rewards import RewardError
@@ -48,6 +48,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     directory = Path(directory)
     saved = directory / "config.yaml"
     config = load_config(saved if saved.is_file() else None, overrides, presets=PRESETS)
+    threads.configure(config.trainer.threads)
     device, dtype = resolve_device(config.trainer.device), DTYPES[config.model.dtype]
     base_path = resolve_model_path(
         config.model.path, config.model.gguf_file, config.model.dtype, config.model.revision
@@ -69,6 +70,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     episodes = episode_runner(config, tokenizer)  # a multi-turn run's environment: its episodes are scored
 
     class Checkpoint:  # the model as an engine of weights version 0
+        @threads.busy()
         def generate(self, prompts, sampling):
             return generate_with_hf(model, settings, 0, prompts, sampling, tokenizer)
 

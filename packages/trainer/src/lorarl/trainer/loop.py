@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from lorarl.trainer import algorithms, checkpoint, data, scoring
+from lorarl.trainer import algorithms, checkpoint, data, scoring, threads
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.console import Console, summary
 from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
@@ -39,6 +39,7 @@ class Trainer:
         self.console = Console(console, t.steps)
         self.output_dir = checkpoint.output_dir(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
         _seed_everything(t.seed)
+        self.threads = threads.configure(t.threads)  # from here: loading the model counts as its first busy time
         self.dp, self.device = setup_data_parallel(resolve_device(t.device))
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         uses_critic = algorithms.ADVANTAGES[config.algorithm.adv_estimator].needs_values
@@ -105,9 +106,10 @@ class Trainer:
             self.engine.sleep()
 
         train_started = time.perf_counter()
-        batch = to_batch(samples, mask_truncated=a.mask_truncated)
-        self.actor.advantages(batch)
-        metrics.update(self.actor.update(step, batch))
+        with threads.busy():
+            batch = to_batch(samples, mask_truncated=a.mask_truncated)
+            self.actor.advantages(batch)
+            metrics.update(self.actor.update(step, batch))
         train_s = time.perf_counter() - train_started
         if self.samples_log is not None:
             self.samples_log.log(step, sample_rows(samples[: self.config.trainer.log_samples], batch, self.tokenizer))
@@ -117,7 +119,8 @@ class Trainer:
             keep_next()
             rollout_s += time.perf_counter() - waited
         sync_started = time.perf_counter()
-        stats = self.weights.sync(version=step)
+        with threads.busy():
+            stats = self.weights.sync(version=step)
         return {
             **metrics,
             "lr": self.actor.optimizer.lr,
@@ -127,6 +130,7 @@ class Trainer:
             "timing/sync_s": time.perf_counter() - sync_started,
             "timing/step_s": time.perf_counter() - started,
             "sync/bytes": stats.bytes if stats is not None else 0,
+            "threads": threads.current(),
             **cuda_memory(self.device),
         }
 
@@ -148,6 +152,7 @@ class Trainer:
         (self.output_dir / "config.yaml").write_text(to_yaml(self.config))
         console = self.console
         console.say(f"outputs: {self.output_dir.resolve()}")
+        console.say(self.threads.describe())
         if any(self.dropped.values()):
             console.say(f"dropped prompts longer than {self.config.data.max_prompt_tokens} tokens: {self.dropped}")
         if self.start_step >= t.steps:
@@ -223,7 +228,7 @@ class Trainer:
                                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed,
                                 tuple(sorted({kind.form for kind in kinds})), lora_rank, r.overlap,
                                 self.config.data.batch_size * r.n,
-                                self.config.data.max_prompt_tokens + self.actor.norm_len)  # fmt: skip
+                                self.config.data.max_prompt_tokens + self.actor.norm_len, t.threads)  # fmt: skip
         engine = start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
         self.engine = engine
         self.rollouts = Rollouts(self.config, engine, self.train_set, self.sampler, self.tokenizer, self.reward,

@@ -217,6 +217,9 @@ class TrainerSection:
                               "advantage)", minimum=0)  # fmt: skip
     resume: str = option("never", "never, auto (latest checkpoint in output_dir) or a checkpoint directory")
     device: str = option("auto", "auto, cpu or cuda")
+    threads: int = option(0, "torch CPU threads of each lorarl process; 0 = auto: the cores its affinity and cgroup "
+                          "quota allow, fewer while other work keeps them busy (OMP_NUM_THREADS, when set, fixes "
+                          "it too)", minimum=0)  # fmt: skip
     backend: str = option("local", "local (the engine where rollout.worker places it) or ray (engines as Ray "
                           "actors)", ("local", "ray"))  # fmt: skip
     n_gpus_per_node: int = option(1, "trainer ranks per node with backend=ray (a GPU each; processes on CPU)",

@@ -5,6 +5,7 @@ parallel, each call stopped after `reward.timeout_s`."""
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lorarl.trainer import threads
 from lorarl.trainer.rewards import Response, Reward, RewardError, call, load_reward
 from lorarl.trainer.schema import RewardSection
 
@@ -23,8 +24,9 @@ class ScoringPool:
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("spawn")
+        cores = max(1, threads.available_cores() // self.workers)  # the workers share the cores, never oversubscribed
         self.executor = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_load_in_worker,
-                                            initargs=(self.specs, self.options))  # fmt: skip
+                                            initargs=(self.specs, self.options, cores))  # fmt: skip
         for future in [self.executor.submit(int) for _ in range(self.workers)]:
             future.result()  # started and loaded: the time limits below are the calls' own
 
@@ -68,10 +70,11 @@ class ScoringPool:
 _WORKER_FNS: list[tuple[Reward, dict]] = []
 
 
-def _load_in_worker(specs: list[str], options: list[dict]) -> None:
+def _load_in_worker(specs: list[str], options: list[dict], cores: int) -> None:
     from lorarl.trainer.interrupt import ignore_stop_signals
 
     ignore_stop_signals()
+    threads.fix(cores)  # before the reward functions load what they use
     _WORKER_FNS[:] = [(load_reward(spec), chosen) for spec, chosen in zip(specs, options, strict=True)]
 
 

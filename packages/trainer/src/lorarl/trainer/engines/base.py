@@ -141,6 +141,7 @@ class EngineContext:
     bucket_bytes: int = 256 << 20  # rollout.bucket_mb: the size of the buckets weights travel in
     sequences: int = 1  # sequences a step's rollouts generate at once (prompts × responses)
     sequence_tokens: int = 2048  # the longest of them: prompt and response, in tokens
+    threads: int = 0  # trainer.threads: a fixed count of torch CPU threads per process (0: adapted to the load)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lorarl.trainer import cpu_attention
+from lorarl.trainer import cpu_attention, threads
 from lorarl.trainer.decode import StopStrings, decode, left_padded, response_end
 from lorarl.trainer.engines import HFEngineSettings
 from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, SamplingParams, Worker
@@ -32,7 +32,8 @@ class HFSettings:
     eos: int
     pad: int
     batch_size: int  # sequences generated at once
-    threads: int | None = None  # torch's CPU threads in the worker (None: torch's default)
+    threads: int | None = None  # torch's CPU threads in a process of its own (None: adapted to the load)
+    inline: bool = False  # in the trainer's process, whose threads are the trainer's
     timeout: float = 600.0
     sync_backend: str = "gloo"
     sync_ranks: int = 1
@@ -46,17 +47,17 @@ class HFWorker(Worker):
 
     @classmethod
     def settings(cls, own: HFEngineSettings, context: EngineContext) -> HFSettings:
-        # generating on the CPU beside the training (rollout.overlap): one core, so the two do not oversubscribe
-        threads = 1 if context.overlap and context.device == "cpu" else None
+        # generating on the CPU beside the training (rollout.overlap): one core, and the trainer takes the others
+        threads = 1 if context.overlap and context.device == "cpu" else context.threads or None
         return HFSettings(context.model_path, context.dtype, context.device, context.eos_token_id,
-                          context.pad_token_id, own.batch_size, threads)  # fmt: skip
+                          context.pad_token_id, own.batch_size, threads, context.inline)  # fmt: skip
 
     def __init__(self, settings: HFSettings):
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        if not settings.inline:
+            threads.configure(settings.threads)
         model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=settings.dtype)
         self.model = model.to(settings.device).eval()
         cpu_attention.use_on_cpu(self.model, torch.device(settings.device))
@@ -66,6 +67,7 @@ class HFWorker(Worker):
         self.factors = FactorMerger(settings.dtype)  # the pristine base weights of the factor sync
         self.tokenizer = None  # loaded for stop strings
 
+    @threads.busy()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
         if sampling.stop and self.tokenizer is None:  # stop strings are text
@@ -74,6 +76,7 @@ class HFWorker(Worker):
             self.tokenizer = load_tokenizer(self.settings.model_path)
         return generate_with_hf(model, self.settings, self.version, prompts, sampling, self.tokenizer)
 
+    @threads.busy()
     def apply(self, update: Update, *, shared: bool = False) -> SyncStats:
         """Install `update`, by its form (`shared`: its tensors are the trainer's own)."""
         started = time.perf_counter()
@@ -133,6 +136,7 @@ class HFWorker(Worker):
         self.channel = open_channel(self.settings.sync_backend, link, rank)
         return self.version
 
+    @threads.busy()
     def receive(self, form: str, version: int) -> int:
         if form == "weights":  # landing straight in the model's parameters
             self.drop_adapter()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lorarl.trainer import threads
 from lorarl.trainer.serve.sampling import Sampler, SampleRequest
 from lorarl.trainer.serve.service import Service
 from lorarl.trainer.serve.tenancy import LoraShape, RequestError
@@ -67,7 +68,7 @@ class Server:
 
     # -- plumbing --
     def run_async(self, fn: Callable[[], Any]) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self.compute, fn)
+        return asyncio.get_running_loop().run_in_executor(self.compute, threads.busy()(fn))
 
     def submit(self, fn: Callable[[], Any], owner: str) -> str:
         """Run `fn` on the compute thread; its result is the future's (a request id), which only `owner` reads."""
@@ -490,7 +491,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="--sampler vllm on the CPU: its KV cache")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="--sampler vllm on a GPU: the share vLLM takes (training needs the rest)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0: the cores available, fewer while other work keeps them busy)")
     args = parser.parse_args(argv)
+    if args.threads < 0:
+        parser.error(f"--threads: expected a count >= 0, got {args.threads}")
+    chosen = threads.configure(args.threads or None, key="--threads")
     from aiohttp import web
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -513,6 +519,7 @@ def main(argv: list[str]) -> int:
         except RequestError as error:
             parser.error(f"--base {name}: {error}")
     server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base), result_ttl=args.result_ttl)
+    print(chosen.describe(), flush=True)
     print(f"serving the Tinker API at http://{args.host}:{args.port} (TINKER_BASE_URL)", flush=True)
     web.run_app(make_app(server), host=args.host, port=args.port, print=None)
     return 0
