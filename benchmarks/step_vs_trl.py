@@ -163,7 +163,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         f"actor.autocast={settings.autocast}", f"rollout.min_tokens={case.max_tokens if case.run_to_max else 0}",
     ])  # fmt: skip
     trainer = Trainer(config)
-    ends, rewards, updates, lengths = [], [], [], []
+    ends, rewards, updates, lengths, threads = [], [], [], [], []
     train_step = trainer.train_step
 
     def timed_step(step: int) -> dict:
@@ -172,6 +172,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         rewards.append(metrics["reward/mean"])
         updates.append(metrics["timing/train_s"])
         lengths.append(metrics["response_length/mean"])
+        threads.append(metrics["threads"])
         return metrics
 
     trainer.train_step = timed_step
@@ -181,6 +182,7 @@ def run_lorarl(case: Case, model: Path, output: Path, steps: int, settings: Sett
         "rewards": rewards,
         "update_s": updates,
         "response_lengths": lengths,
+        "threads": threads,
         "rollout_dtype": str(trainer.rollout_dtype).removeprefix("torch."),
         **cuda_peak(settings.device),
     }

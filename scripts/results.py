@@ -138,6 +138,13 @@ def gradient_checkpointing(rows: list[dict]) -> str:
             f"time {spread([r['time_ratio'] for r in rows])}")  # fmt: skip
 
 
+def under_load(rows: list[dict]) -> str:
+    loaded = [r for r in rows if r["competitors"]]
+    parts = [f"{r['job']} beside {r['competitors']} {r['competitor']}: lorarl {r['lorarl_slowdown']:.2f}x "
+             f"(bound {r['bound']:.1f}x), TRL {r['trl_slowdown']:.2f}x" for r in loaded]  # fmt: skip
+    return "slowdown against each side's quiet step: " + "; ".join(parts) if parts else f"{len(rows)} rows"
+
+
 def gpu_check(rows: list[dict]) -> str:
     return ", ".join(f"{r['check']} {r['status']}" for r in rows if r["check"] != "environment")
 
@@ -155,6 +162,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "multiturn_rollout": (ROOT / "benchmarks/results/multiturn_rollout.jsonl", multiturn_rollout),
     "decode_head": (ROOT / "benchmarks/results/decode_head.jsonl", decode_head),
     "gradient_checkpointing": (ROOT / "benchmarks/results/gradient_checkpointing.jsonl", gradient_checkpointing),
+    "under_load": (ROOT / "benchmarks/results/under_load.jsonl", under_load),
     "gpu_check": (ROOT / "benchmarks/results/gpu_check.jsonl", gpu_check),
     "merge_throughput": (ROOT / "packages/lora_merge/benchmarks/results/merge_throughput.jsonl", merge_throughput),
     "sync_throughput": (ROOT / "packages/weight_sync/benchmarks/results/sync_throughput.jsonl", sync_throughput),

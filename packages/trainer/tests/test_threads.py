@@ -116,7 +116,7 @@ def test_a_count_set_by_the_user_is_kept_whatever_the_load():
             pass
         print(torch.get_num_threads(), chosen.adaptive, chosen.describe())
     """
-    assert run_python(code % "3") == "3 False threads: 3 (trainer.threads; %d cores available)" % CORES
+    assert run_python(code % "3") == f"3 False threads: 3 (trainer.threads; {CORES} cores available)"
     assert run_python(code % "None", OMP_NUM_THREADS="1").startswith("1 False threads: 1 (OMP_NUM_THREADS;")
 
 

@@ -167,12 +167,22 @@ class Threads:
         self.opened = None
 
     def _decide(self) -> None:
+        if not _torch_sets_threads():  # an engine took the threads over (vLLM's CPU build binds them to cores)
+            self.adaptive = False
+            return
         window, self.window = self.window, _Window()
         self.others = max(0.0, window.machine - window.own) / window.wall
         count = threads_for(self.cores, self.others)
         if count != self.count:
             self.count = count
             _set_torch_threads(count)
+
+
+def _torch_sets_threads() -> bool:
+    """Whether `torch.set_num_threads` is torch's own: vLLM's CPU worker replaces it once it has bound its threads."""
+    import torch
+
+    return getattr(torch.set_num_threads, "__module__", "").startswith("torch")
 
 
 def _set_torch_threads(count: int) -> None:
