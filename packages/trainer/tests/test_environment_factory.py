@@ -2,6 +2,8 @@
 `reset(**row)` appended to the last prompt message, its public methods the model's tools, `get_reward()` in the
 episode's return, `environments=` handed to TRL-style reward functions — and a run trains on them."""
 
+import json
+
 import pytest
 from chat_fixtures import chat_model_dir, hermes_call, qwen2_style_tokenizer, train_two_steps
 from test_multiturn import Script, pieces
@@ -117,4 +119,139 @@ def test_a_run_trains_on_a_trl_environment(tmp_path):
     """Two steps on the HF engine: the engine's log-probs of the action tokens as the trainer recomputes them."""
     steps = train_on_increment_env(tmp_path, chat_model_dir(tmp_path / "model"))
     assert len(steps) == 2
+    assert all(s["rollout/abs_logp_diff"] < 0.02 for s in steps)
+
+
+# Written as TRL's documentation writes them (GRPOTrainer's "Agent Training" and OpenEnv's quick start): a `reset`
+# taking the row's columns by name and no **kwargs, a prompt-only `datasets.Dataset` held in the script, reward
+# functions that take `environments` and **kwargs, one that counts the `tool` messages of each completion, and a dict of
+# environments routed by each row's `environment` field
+TRL_STYLE = '''
+from datasets import Dataset
+
+dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Reach {t}."}] for t in range(1, 9)],
+                             "target": list(range(1, 9))})
+
+
+class CounterEnv:
+    def reset(self, prompt, target) -> str | None:
+        self.seen = {"prompt": prompt, "target": target}
+        self.counter, self.target = 0, target
+        return None
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        self.counter += step
+        return self.counter
+
+
+class DownEnv(CounterEnv):
+    def decrement(self, step: int) -> int:
+        """
+        Decrement the internal counter.
+
+        Args:
+            step: Value to take from the counter.
+        """
+        self.counter -= step
+        return self.counter
+
+
+ENVIRONMENTS = {"up": CounterEnv, "down": DownEnv}
+SEEN = {}
+
+
+def reward_func(environments, **kwargs):
+    return [float(env.counter == env.target) for env in environments]
+
+
+def tool_messages(completions, trainer_state, **kwargs):
+    SEEN.update(completions=completions, global_step=trainer_state.global_step, max_steps=trainer_state.max_steps)
+    return [float(sum(m["role"] == "tool" for m in c)) for c in completions]
+'''
+
+
+def trl_style(tmp_path):
+    path = tmp_path / "trl_style.py"
+    path.write_text(TRL_STYLE)
+    return path
+
+
+def test_trl_environments_and_rewards_get_what_trl_passes_them(tmp_path):
+    """`reset(**row)` gets exactly the row's columns, prompt included (no answer: the row has none); a reward
+    function gets the episode's whole exchange as `completions`, in TRL's message shape, and `trainer_state`."""
+    from lorarl.trainer.registry import import_object
+
+    path = trl_style(tmp_path)
+    config = load_config(None, [f"env={path}:CounterEnv", "env.tool_format=hermes"])
+    tok = qwen2_style_tokenizer()
+    run = EpisodeRunner(config.env, tok, eos=tok.eos_token_id)
+    prompt = [{"role": "user", "content": "Reach 2."}]
+    row = Example(prompt, None, (), {"target": 2}, "trl_style.py:dataset row 2")
+    (episode,) = run.start([row], 1)
+    actions = [pieces(hermes_call("increment", {"step": 2}), tok), [*pieces("done", tok), "<|im_end|>"]]
+    run.play(Script(tok, [actions]), [episode], SamplingParams(max_tokens=64))
+    assert episode.env.instance.seen == {"prompt": prompt, "target": 2}
+    reward = Rewards(load_config(None, [f"reward.fns=[{path}:reward_func,{path}:tool_messages]"]).reward, 5)
+    reward.at_step(3)
+    (score,) = reward.score(final_responses([episode], tok))
+    assert score.parts == (1.0, 1.0)
+    seen = import_object(f"{path}:SEEN")
+    assert seen["completions"] == [[
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "increment", "arguments": {"step": 2}}}]},
+        {"role": "tool", "content": "2", "name": "increment"},
+        {"role": "assistant", "content": "done"},
+    ]]  # fmt: skip
+    assert (seen["global_step"], seen["max_steps"]) == (2, 5)  # TRL's state: the updates done before this step
+
+
+def test_a_dict_of_trl_environments_is_routed_by_each_row(tmp_path):
+    path = trl_style(tmp_path)
+    config = load_config(None, [f"env={path}:ENVIRONMENTS", "env.tool_format=hermes"])
+    tok = qwen2_style_tokenizer()
+    run = EpisodeRunner(config.env, tok, eos=tok.eos_token_id)
+    rows = [Example("Reach 1.", None, (), {"target": 1, "environment": name}, f"row {i}")
+            for i, name in enumerate(["up", "down"])]  # fmt: skip
+    up, down = run.start(rows, 1)
+    assert [t.name for t in up.env.tools] == ["increment"]  # a row offers its environment's tools alone
+    assert [t.name for t in down.env.tools] == ["decrement", "increment"]
+    assert "decrement" not in tok.decode(list(up.prompt))
+    assert down.env.instance.seen == {"prompt": "Reach 1.", "target": 1}  # `environment` is not passed to reset
+    with pytest.raises(TrainerError, match=r"row 9: environment='sideways' is not one of the environments"):
+        run.start([Example("Reach 1.", None, (), {"target": 1, "environment": "sideways"}, "row 9")], 1)
+
+
+def test_a_reward_that_takes_the_answer_refuses_data_without_one(tmp_path, capsys):
+    from lorarl.trainer.cli import main
+
+    path = trl_style(tmp_path)
+    code = main([f"model.path={chat_model_dir(tmp_path / 'model')}", f"data.train_files={path}:dataset",
+                 f"data.val_files={path}:dataset", f"env={path}:CounterEnv", "env.tool_format=hermes",
+                 "trainer.steps=1", f"trainer.output_dir={tmp_path / 'out'}"])  # fmt: skip
+    assert code == 2
+    error = capsys.readouterr().out.strip().splitlines()[-1]
+    assert error.startswith(f"error: {path}:dataset row 1: no answer ('answer', 'reward_model.ground_truth', "
+                            "'reward_spec.ground_truth'; it has ['target']), which reward.fn='default' takes")
+
+
+def test_a_run_trains_on_trl_style_data_environments_and_rewards(tmp_path):
+    """Two steps with the keys a TRL script's objects map to, and nothing else: the Dataset by import path, the
+    environment class, the reward functions."""
+    from lorarl.trainer.cli import main
+
+    path, out = trl_style(tmp_path), tmp_path / "out"
+    code = main([f"model.path={chat_model_dir(tmp_path / 'model')}", f"data.train_files={path}:dataset",
+                 f"data.val_files={path}:dataset", f"env={path}:CounterEnv", "env.tool_format=hermes",
+                 f"reward.fns=[{path}:reward_func,{path}:tool_messages]", "data.batch_size=4", "rollout.n=2",
+                 "rollout.max_tokens=16", "env.max_tokens=48", "trainer.steps=2", "trainer.eval_every=0",
+                 f"trainer.output_dir={out}"])  # fmt: skip
+    assert code == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
     assert all(s["rollout/abs_logp_diff"] < 0.02 for s in steps)

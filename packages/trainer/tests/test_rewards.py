@@ -108,8 +108,12 @@ def test_trl_reward_functions_run_as_written():
     batch = [Response("1+1", c, "2", {"solution": s, "level": 3}, (7, 8)) for c, s in [("2", "2"), ("3", "2"),
                                                                                     ("skip", "2")]]  # fmt: skip
     assert call(accuracy_reward, batch) == [1.0, 0.0, None]
+    logging = {key: seen.pop(key) for key in ("trainer_state", "log_metric", "log_extra")}  # TRL passes them too
     assert seen == {"prompts": ["1+1"] * 3, "completions": ["2", "3", "skip"], "solution": ["2"] * 3,
                     "level": [3] * 3, "completion_ids": [[7, 8]] * 3}  # fmt: skip
+    assert logging["trainer_state"] is None  # outside a run
+    assert callable(logging["log_metric"])
+    assert callable(logging["log_extra"])
 
     def format_reward(prompts, completions):  # no **kwargs: gets only what it names
         return [float(c[0]["content"].startswith("<think>")) for c in completions]

@@ -1,14 +1,16 @@
-"""Prompt datasets as verl and TRL users keep them, tokenized once, shuffled per epoch.
+"""Prompt datasets as verl, TRL and SkyRL users keep them, tokenized once, shuffled per epoch.
 
 Files: JSON lines (`.jsonl`, or `.json`: lines or one array), `.parquet`, `.csv`, a directory written by HF
 `datasets`' `save_to_disk` (one split), and glob patterns of those (`data/train-*.parquet`, as `load_dataset`'s
 `data_files`). A prompt is text or a list of chat messages (verl's `prompt` column); the answer is `data.answer_key`
-— by default `answer`, else verl's `reward_model.ground_truth`. Every other column travels with the example to the
-reward functions (verl's `data_source` and `extra_info`, TRL's dataset columns).
+— by default `answer`, else verl's `reward_model.ground_truth`, else SkyRL's `reward_spec.ground_truth`, else none
+(TRL's prompt-only data: a reward that takes the answer then refuses to start). Every other column travels with the
+example to the reward functions (verl's `data_source` and `extra_info`, TRL's dataset columns).
 """
 
 import glob
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,7 @@ from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.hub import dataset_files, is_hub_id
 
-AUTO_ANSWER = ("answer", "reward_model.ground_truth")  # data.answer_key=auto tries these in order
+AUTO_ANSWER = ("answer", "reward_model.ground_truth", "reward_spec.ground_truth")  # data.answer_key=auto's, in order
 
 
 @dataclass(frozen=True)
@@ -31,18 +33,28 @@ class Row:
 @dataclass(frozen=True)
 class Example:
     prompt: str | list[dict]  # as in the data: text, or chat messages
-    answer: str
+    answer: str | None  # None: the row has none (data.answer_key=auto found no answer field)
     prompt_ids: tuple[int, ...]
     columns: dict = field(default_factory=dict)  # the row's other fields (data_source, extra_info, ...)
     where: str = ""  # its file and line, for error messages
+    prompt_key: str = "prompt"  # the prompt's field in the row
+
+    def row(self) -> dict:
+        """The data row as it was read: the prompt under its own field, and every other field."""
+        return {self.prompt_key: self.prompt, **self.columns}
 
 
 def read_rows(files: list[str], *, default_file: str, split: str = "train", config: str | None = None,
               key: str = "data.train_files") -> list[Row]:  # fmt: skip
     """Rows of every file, in order. `default` (`calculator`) names an embedded task's file `default_file`; a Hub
-    dataset id (`org/name`) its split `split` of subset `config` (`hub.dataset_files`)."""
+    dataset id (`org/name`) its split `split` of subset `config` (`hub.dataset_files`); an import path
+    (`my_data.py:dataset`, `package.module:name`) a `datasets.Dataset` object, or a `DatasetDict`'s split `split`, the
+    way TRL scripts hold their data."""
     rows: list[Row] = []
     for name in files:
+        if IMPORT_PATH.fullmatch(name):
+            rows += _object_rows(name, split, key)
+            continue
         if name in default_task.EMBEDDED:
             paths = [default_task.EMBEDDED[name] / default_file]
         elif is_hub_id(name):
@@ -64,6 +76,28 @@ def _expand(name: str) -> list[Path]:
     if not path.exists():
         raise TrainerError(f"data file {path} not found")
     return [path]
+
+
+IMPORT_PATH = re.compile(r"[\w./-]+\.py:\w+|[A-Za-z_][\w.]*:\w+")
+
+
+def _object_rows(spec: str, split: str, key: str) -> list[Row]:
+    """The rows of the `datasets.Dataset` (or the `DatasetDict`'s split `split`) that `spec` names."""
+    from lorarl.trainer.registry import PluginError, import_object
+
+    try:
+        found = import_object(spec)
+    except PluginError as e:
+        raise TrainerError(f"{key}: {spec}: {e}") from None
+    if isinstance(found, Mapping) and not hasattr(found, "to_list"):  # a DatasetDict (or a dict of datasets)
+        if split not in found:
+            raise TrainerError(f"{key}: {spec} has no split {split!r} (it has {sorted(found)}); name one with "
+                               f"data.{'train' if 'train' in key else 'val'}_split")  # fmt: skip
+        found = found[split]
+    if not callable(getattr(found, "to_list", None)):
+        raise TrainerError(f"{key}: {spec} is a {type(found).__name__}, expected a datasets.Dataset (or a "
+                           "DatasetDict)")  # fmt: skip
+    return [Row(f"{spec} row {i}", _record(item, f"{spec} row {i}")) for i, item in enumerate(found.to_list(), 1)]
 
 
 def _read(path: Path) -> list[Row]:
@@ -149,24 +183,32 @@ def build_examples(rows: list[Row], tokenizer, *, prompt_key: str, answer_key: s
         except KeyError:
             raise TrainerError(f"{row.where}: no {prompt_key!r} (it has {sorted(row.fields)}); set "
                                "data.prompt_key") from None  # fmt: skip
-        answer = _first(row, answer_keys)
+        answer = _first(row, answer_keys, required=answer_key != "auto")
         ids = _prompt_ids(prompt, tokenizer, use_template, system_prompt, row.where)
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue
         columns = {k: v for k, v in row.fields.items() if k != prompt_key}
-        examples.append(Example(prompt, str(answer), tuple(ids), columns, row.where))
+        examples.append(Example(prompt, None if answer is None else str(answer), tuple(ids), columns, row.where,
+                                prompt_key))  # fmt: skip
     return examples, dropped
 
 
-def _first(row: Row, keys: tuple[str, ...]):
+def _first(row: Row, keys: tuple[str, ...], *, required: bool):
     for key in keys:
         try:
             return lookup(row.fields, key)
         except KeyError:
             continue
+    if not required:
+        return None
     raise TrainerError(f"{row.where}: no {' or '.join(map(repr, keys))} (it has {sorted(row.fields)}); set "
                        "data.answer_key")  # fmt: skip
+
+
+def without_answer(examples: list[Example]) -> Example | None:
+    """The first example that has no answer, if any."""
+    return next((e for e in examples if e.answer is None), None)
 
 
 def _prompt_ids(prompt, tokenizer, use_template: bool, system_prompt: str | None, where: str) -> list[int]:

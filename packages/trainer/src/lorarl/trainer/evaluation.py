@@ -67,6 +67,7 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
                           config.rollout.hf.batch_size)  # fmt: skip
     r, reward = config.rollout, scoring.Rewards(config.reward)
+    reward.check_answers(examples)
     episodes = episode_runner(config, tokenizer)  # a multi-turn run's environment: its episodes are scored
 
     class Checkpoint:  # the model as an engine of weights version 0

@@ -76,7 +76,8 @@ class Trainer:
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
-        self.reward = scoring.Rewards(config.reward)
+        self.reward = scoring.Rewards(config.reward, t.steps)
+        self.reward.check_answers(self.train_set + self.val_set)
         self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
         self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,

@@ -5,10 +5,15 @@ in a process pool with a per-call timeout.
 `math`, `package.module:function` or `path/to/file.py:function`. Three signatures are recognised by their parameter
 names, so verl's and TRL's reward code runs unchanged:
 - `f(prompt, response, answer) -> float`, one response per call (lorarl's own);
-- TRL's `f(prompts, completions, **columns) -> list[float | None]` (any with a `completions` parameter), batched:
-  `prompts` as in the data (text or chat messages), `completions` text (or `[{"role": "assistant", "content": ...}]`
-  for chat prompts, as TRL passes them), `completion_ids`, and every other dataset column as a keyword list; None =
-  no score from this function;
+- TRL's `f(prompts, completions, **columns) -> list[float | None]` (any that names one of TRL's keywords —
+  `prompts`, `completions`, `completion_ids`, `environments`, `trainer_state`, `log_metric`, `log_extra` — or takes
+  keywords alone), batched, with what TRL passes: `prompts` as in the data (text or chat messages), `completions` text,
+  or for chat prompts the messages after the prompt (`[{"role": "assistant", "content": ...}]`; an episode with tools:
+  the assistant turns with their `tool_calls`, the `tool` messages, the last answer), `completion_ids`, every other
+  dataset column as a keyword list, `environments` (a TRL environment's instances), `trainer_state` (a transformers
+  `TrainerState`: `global_step` the optimizer steps done, `max_steps`), `log_metric(name, value)` (logged as `name`,
+  the step's mean) and `log_extra(column, values)` (TRL's completions table, which lorarl does not keep); None = no
+  score from this function;
 - verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict` (a dict's `score`).
 
 A reward with settings of its own is decorated: `@register_reward("name", settings=Dataclass)` (and `format=...` to
@@ -90,25 +95,39 @@ class Response:
 
     prompt: str | list[dict]  # as in the data
     response: str
-    answer: str
+    answer: str | None  # None: the data has none (a reward that reads it is refused when the run starts)
     columns: dict  # the data row's other fields (data_source, extra_info, TRL's dataset columns)
     completion_ids: Sequence[int] = ()
+    messages: tuple[dict, ...] = ()  # a chat episode's messages after the prompt (tool calls and results), if any
+    prompt_messages: tuple[dict, ...] = ()  # a chat episode's prompt as it played (a TRL reset's observation added)
+
+
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "environments", "trainer_state", "log_metric", "log_extra")
 
 
 def style(fn: Callable) -> str:
-    """Which format `fn` was written for, by its parameter names: "trl" (completions, often prompts), "verl"
-    (solution_str, ground_truth) or "lorarl" (prompt, response, answer)."""
+    """Which format `fn` was written for, by its parameters: "trl" (one of TRL's keywords, or keywords alone:
+    `f(environments, **kwargs)`, `f(**kwargs)`), "verl" (solution_str, ground_truth) or "lorarl" (prompt, response,
+    answer: positional)."""
     if isinstance(fn, Reward):
         return fn.format if fn.format != "auto" else style(fn.target)
     try:
-        names = set(inspect.signature(fn).parameters)
+        parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return "lorarl"
-    if "completions" in names:
+    names = {p.name for p in parameters}
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if names & set(TRL_KEYWORDS) or not positional:
         return "trl"
     if {"solution_str", "ground_truth"} <= names:
         return "verl"
     return "lorarl"
+
+
+def reads_answer(reward: Reward) -> bool:
+    """Whether `reward` is handed the data's answer as an argument of its own (lorarl's and verl's formats; a TRL
+    reward reads whichever columns it names, and `none` reads nothing)."""
+    return style(reward) in PER_RESPONSE and reward.target is not no_reward
 
 
 def call(fn: Callable, responses: Sequence[Response], options: dict | None = None) -> list[float | None]:
@@ -120,9 +139,10 @@ def call(fn: Callable, responses: Sequence[Response], options: dict | None = Non
 
 @REWARD_FORMATS.register("trl")
 def call_trl(fn: Callable, responses: Sequence[Response], options: dict) -> list[float | None]:
-    """TRL's `f(prompts, completions, **columns) -> list[float | None]`, one call for the batch."""
+    """TRL's `f(prompts, completions, **columns) -> list[float | None]`, one call for the batch (`options` may hold
+    the run's `trainer_state` and `log_metric`, which TRL passes too)."""
     try:
-        values = list(fn(**_trl_arguments(fn, responses), **options))
+        values = list(fn(**_trl_arguments(fn, responses, options)))
     except Exception as e:
         raise RewardError(_raised(e), responses[0]) from e
     if len(values) != len(responses):
@@ -178,22 +198,33 @@ def _per_response(score: Callable[[Response], object], responses: Sequence[Respo
     return scores
 
 
-def _trl_arguments(fn: Callable, responses: Sequence[Response]) -> dict:
-    """TRL's keyword arguments: prompts, completions (chat messages for chat prompts), completion_ids, and each
-    dataset column present in every response, as lists; only those `fn` takes, unless it takes **kwargs."""
-    chat = isinstance(responses[0].prompt, list)
+def _trl_arguments(fn: Callable, responses: Sequence[Response], options: dict) -> dict:
+    """TRL's keyword arguments: prompts, completions (chat messages for chat prompts: an episode's whole exchange),
+    completion_ids, each dataset column present in every response, as lists, `trainer_state`, `log_metric` and
+    `log_extra`, and the function's own settings (`options`); only those `fn` takes, unless it takes **kwargs."""
+    chat = isinstance(responses[0].prompt, list) or bool(responses[0].prompt_messages)
     arguments = {
-        "prompts": [s.prompt for s in responses],
-        "completions": [[{"role": "assistant", "content": s.response}] if chat else s.response for s in responses],
+        "prompts": [list(s.prompt_messages) or s.prompt for s in responses],
+        "completions": [_completion(s) if chat else s.response for s in responses],
         "completion_ids": [list(s.completion_ids) for s in responses],
     }
     shared = set.intersection(*(set(s.columns) for s in responses)) - arguments.keys()
     arguments.update({key: [s.columns[key] for s in responses] for key in sorted(shared)})
+    arguments.update({"trainer_state": None, "log_metric": _ignored, "log_extra": _ignored, **options})
     parameters = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return arguments
     names = {p.name for p in parameters}
     return {key: value for key, value in arguments.items() if key in names}
+
+
+def _completion(response: Response) -> list[dict]:
+    """A chat completion as TRL hands it to a reward: the messages after the prompt."""
+    return list(response.messages) or [{"role": "assistant", "content": response.response}]
+
+
+def _ignored(*args, **kwargs) -> None:
+    """TRL's logging callbacks where nothing collects what they log (a reward scored in a worker process)."""
 
 
 def _checked(value, response: Response, *, allow_none: bool) -> float | None:

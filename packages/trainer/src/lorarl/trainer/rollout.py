@@ -49,6 +49,7 @@ class Rollouts:
         groups are kept or `max_sampling_rounds` is reached; then the step trains on what was kept (on the last
         round's samples if nothing was)."""
         a, batch_size = self.config.algorithm, self.config.data.batch_size
+        self.reward.at_step(step)
         drawn, kept, groups, self.played = [], [], 0, []
         rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
         for round_ in range(rounds):
@@ -169,11 +170,17 @@ def play_episodes(engine: RolloutEngine, runner: EpisodeRunner, examples: list[d
 
 
 def final_responses(episodes: list[Episode], tokenizer) -> list[rewards.Response]:
-    """What the reward functions see of each episode: its last action, as the response to its data row."""
+    """What the reward functions see of each episode: its last action, as the response to its data row (and for
+    TRL's, the episode's messages: its prompt, and everything after it)."""
     last = [e.actions[-1].tokens if e.actions else () for e in episodes]
     texts = tokenizer.batch_decode([list(t) for t in last], skip_special_tokens=True)
-    return [rewards.Response(e.example.prompt, text, e.example.answer, {**e.example.columns, **e.env.reward_columns()},
-                             tokens) for e, text, tokens in zip(episodes, texts, last, strict=True)]  # fmt: skip
+    responses = []
+    for e, text, tokens in zip(episodes, texts, last, strict=True):
+        prompt, after = e.env.conversation(e.actions) if e.stop_reason != "error" else ([], [])
+        responses.append(rewards.Response(e.example.prompt, text, e.example.answer,
+                                          {**e.example.columns, **e.env.reward_columns()}, tokens, tuple(after),
+                                          tuple(prompt)))  # fmt: skip
+    return responses
 
 
 def episode_returns(episodes: list[Episode], scores: list[scoring.Score]) -> list[float]:

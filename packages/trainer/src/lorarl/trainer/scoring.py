@@ -6,7 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lorarl.trainer import threads
-from lorarl.trainer.rewards import Response, Reward, RewardError, call, load_reward
+from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.rewards import Response, Reward, RewardError, call, load_reward, reads_answer, style
 from lorarl.trainer.schema import RewardSection
 
 
@@ -30,15 +31,17 @@ class ScoringPool:
         for future in [self.executor.submit(int) for _ in range(self.workers)]:
             future.result()  # started and loaded: the time limits below are the calls' own
 
-    def score(self, index: int, responses: Sequence[Response]) -> list[float | RewardError | None]:
-        """Each response's score, or the error of its call. A worker that dies (killed, crashed) breaks the pool:
-        every response it had not scored yet fails, and a fresh pool scores the next call."""
+    def score(self, index: int, responses: Sequence[Response], trainer_state=None) -> list[float | RewardError | None]:
+        """Each response's score, or the error of its call (`trainer_state`: a TRL reward's). A worker that dies
+        (killed, crashed) breaks the pool: every response it had not scored yet fails, and a fresh pool scores the
+        next call."""
         from concurrent.futures import wait
         from concurrent.futures.process import BrokenProcessPool
 
         if self.executor is None:
             self._start()
-        futures = [self.executor.submit(_score_in_worker, index, response, self.timeout) for response in responses]
+        futures = [self.executor.submit(_score_in_worker, index, response, self.timeout, trainer_state)
+                   for response in responses]  # fmt: skip
         rounds = -(-len(responses) // self.workers) + 1
         _, stuck = wait(futures, timeout=rounds * self.timeout + 2 if self.timeout else None)
         results, broken = [], False
@@ -78,7 +81,8 @@ def _load_in_worker(specs: list[str], options: list[dict], cores: int) -> None:
     _WORKER_FNS[:] = [(load_reward(spec), chosen) for spec, chosen in zip(specs, options, strict=True)]
 
 
-def _score_in_worker(index: int, response: Response, timeout: float) -> float | tuple[str, str] | None:
+def _score_in_worker(index: int, response: Response, timeout: float,
+                     trainer_state=None) -> float | tuple[str, str] | None:  # fmt: skip
     """A score, None, or ("error", what happened): an exception holding the response would not pickle back."""
     import signal
 
@@ -90,6 +94,8 @@ def _score_in_worker(index: int, response: Response, timeout: float) -> float | 
         signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         fn, options = _WORKER_FNS[index]
+        if trainer_state is not None:
+            options = {**options, "trainer_state": trainer_state}
         return call(fn, [response], options)[0]
     except RewardError as e:
         return ("error", e.problem)
@@ -111,28 +117,55 @@ class Rewards:
     `reward.error_score`, counted in `reward/errors`. With `reward.workers`, a pool of processes scores the
     responses, each call stopped after `reward.timeout_s`."""
 
-    def __init__(self, section: RewardSection):
+    def __init__(self, section: RewardSection, max_steps: int = 0):
         specs = list(section.fns) or [section.fn]
         weights = list(section.weights) or [1.0] * len(specs)  # (one per function: checked with the config)
-        self.specs, self.weights, self.section = specs, weights, section
+        self.specs, self.weights, self.section, self.max_steps = specs, weights, section, max_steps
         self.fns = [load_reward(spec) for spec in specs]
         self.options = [fn.configured(section) for fn in self.fns]
         self.names = [fn.name for fn in self.fns]
+        self.trl = [style(fn) == "trl" for fn in self.fns]  # TRL's format: also the trainer's state and log_metric
+        self.at_step(1)  # before the first step (a validation at step 0): no update done
+        self.logged: dict[str, list[float]] = {}  # TRL's log_metric, since the last `metrics`
         self.pool = None
         if section.workers:
             self.pool = ScoringPool(specs, self.options, section.workers, section.timeout_s)
+
+    def check_answers(self, examples: Sequence) -> None:
+        """Refuse data without an answer where a reward function takes one as an argument (`data.Example`s)."""
+        from lorarl.trainer.data import AUTO_ANSWER, without_answer
+
+        missing = without_answer(examples)
+        reading = [spec for spec, fn in zip(self.specs, self.fns, strict=True) if reads_answer(fn)]
+        if missing is not None and reading:
+            keys = ", ".join(map(repr, AUTO_ANSWER))
+            raise TrainerError(f"{missing.where}: no answer ({keys}; it has {sorted(missing.columns)}), which "
+                               f"reward.fn={reading[0]!r} takes: set data.answer_key, or use a reward that reads the "
+                               "columns it names (TRL's format)")  # fmt: skip
+
+    def at_step(self, step: int) -> None:
+        """The responses scored next are the rollouts of `step` (TRL's `trainer_state`: `step - 1` updates done)."""
+        from transformers import TrainerState
+
+        self.trainer_state = TrainerState(global_step=step - 1, max_steps=self.max_steps)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.logged.setdefault(name, []).append(float(value))
 
     def score(self, responses: Sequence[Response]) -> list[Score]:
         """Each response's reward and its functions' parts."""
         parts: list[list[float | None]] = [[] for _ in responses]
         errors = [0] * len(responses)
         for index, fn in enumerate(self.fns):
+            options = self.options[index]
+            if self.trl[index]:
+                options = {**options, "trainer_state": self.trainer_state, "log_metric": self.log_metric}
             if self.pool is not None:
-                results = self.pool.score(index, responses)
+                results = self.pool.score(index, responses, self.trainer_state if self.trl[index] else None)
             elif self.section.on_error == "raise":
-                results = call(fn, responses, self.options[index])
+                results = call(fn, responses, options)
             else:  # one call per response, so that one failure leaves the others scored
-                results = [_caught(fn, response, self.options[index]) for response in responses]
+                results = [_caught(fn, response, options) for response in responses]
             for i, result in enumerate(results):
                 if isinstance(result, RewardError):
                     if self.section.on_error == "raise":
@@ -154,6 +187,8 @@ class Rewards:
         errors = sum(s.errors for s in scores)
         if errors:
             metrics["reward/errors"] = errors
+        metrics.update({name: sum(values) / len(values) for name, values in self.logged.items()})
+        self.logged = {}
         return metrics
 
     def close(self) -> None:

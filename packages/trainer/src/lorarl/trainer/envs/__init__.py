@@ -66,8 +66,16 @@ register_env("tools", about="the model answers the prompt calling env.tools (res
 
 @dataclass
 class SkyRLGymSettings:
+    """SkyRL's `environment.skyrl_gym` section: the id, and the `env_config` of the environments SkyRL configures."""
+
     id: str = option("gsm8k", "the SkyRL-gym environment (skyrl_gym.make's id: gsm8k, gsm8k_multi_turn, aime, "
                      "text2sql, search, lcb, …) for rows without an env_class")  # fmt: skip
+    text2sql: dict = option({"db_path": "/home/ray/default/sql_data"}, "text2sql's env_config: db_path, the folder "
+                            "of its databases (<db_path>/spider/database/<db_id>/<db_id>.sqlite, ...)")  # fmt: skip
+    search: dict = option({"log_requests": False, "search_url": "http://127.0.0.1:8000/retrieve", "topk": 3,
+                           "timeout": 30}, "search's env_config: its retrieval server, results, timeout")  # fmt: skip
+    llm_as_a_judge: dict = option({"model": "gpt-4o-mini", "base_url": None}, "llm_as_a_judge's env_config: the "
+                                  "judge model and its OpenAI-compatible server")  # fmt: skip
 
 
 register_env("skyrl_gym", settings=SkyRLGymSettings,

@@ -90,6 +90,8 @@ class Environment:
         """The answer to the engine's `action`."""
         raise NotImplementedError
 
+    steps_truncated: bool = False  # whether an action cut at a length is stepped too (SkyRL's generator does)
+
     def final_reward(self) -> float:
         """A reward for the whole episode, read once it has ended, however it ended (TRL's `get_reward`)."""
         return 0.0
@@ -97,6 +99,11 @@ class Environment:
     def reward_columns(self) -> dict:
         """Fields the reward functions get beside the data row's, for this episode (TRL's `environments`)."""
         return {}
+
+    def conversation(self, actions: list[Action]) -> tuple[list[dict], list[dict]]:
+        """The ended episode (its `actions`) as chat messages, for TRL's reward functions: its prompt, and what came
+        after it. None at the token level: no messages."""
+        return [], []
 
     @classmethod
     def conclude(cls, groups: list[list]) -> None:

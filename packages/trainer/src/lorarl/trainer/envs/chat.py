@@ -137,12 +137,20 @@ class ChatEnvironment(Environment):
 
     def reset(self, example) -> Observation:
         self.messages = self.start(example)
+        self.prompt_length, self.stepped = len(self.messages), 0
         self.context = self.template.prompt(self.messages)
         return Observation(self.context, self.stop)
 
+    def conversation(self, actions: list[Action]) -> tuple[list[dict], list[dict]]:
+        after = self.messages[self.prompt_length :]
+        if len(actions) > self.stepped:  # the last action, cut at a length, was never stepped
+            after = [*after, _without_parse_error(self.parse(actions[-1]))]
+        return self.messages[: self.prompt_length], after
+
     def step(self, action: Action) -> Step:
         message = self.parse(action)
-        self.messages.append({k: v for k, v in message.items() if k != "parse_error"})
+        self.stepped += 1
+        self.messages.append(_without_parse_error(message))
         reply = self.respond(message)
         if not isinstance(reply, Reply):
             raise TypeError(f"{type(self).__name__}.respond returned {type(reply).__name__}, expected a Reply")
@@ -154,3 +162,8 @@ class ChatEnvironment(Environment):
         self.messages += reply.messages
         self.context = self.context + action.tokens + self.template.continuation(action, reply.messages)
         return Step(reply.reward, False, Observation(self.context, self.stop), metrics=reply.metrics)
+
+
+def _without_parse_error(message: dict) -> dict:
+    """An assistant message as the conversation keeps it (the parse error is for `respond` alone)."""
+    return {k: v for k, v in message.items() if k != "parse_error"}

@@ -146,8 +146,9 @@ class EpisodeRunner:
         episode.actions.append(action)
         episode.versions.append(completion.version)
         episode.context = episode.context + action.tokens
-        if not finished:
-            episode.stop_reason = "budget" if cut or left <= len(tokens) else "length"
+        truncation = "" if finished else "budget" if cut or left <= len(tokens) else "length"
+        if truncation and not episode.env.steps_truncated:
+            episode.stop_reason = truncation
             return
         step = self._guarded(episode, lambda: episode.env.step(action), "step")
         if step is None:
@@ -157,6 +158,9 @@ class EpisodeRunner:
         episode.count(step.metrics)
         if step.done:
             episode.stop_reason = step.stop_reason or "done"
+            return
+        if truncation == "budget":  # stepped, but no room is left for another action
+            episode.stop_reason = truncation
             return
         if last_turn:
             episode.stop_reason = "max_turns"

@@ -1,38 +1,51 @@
 """TRL's `environment_factory` classes, unchanged, as lorarl environments.
 
-A TRL environment is a class with `reset(**row)`, which starts an episode from its data row (a string it returns is
-appended to the last prompt message), and public methods that are the model's tools (schemas from their type hints
-and Google-style docstrings, as TRL reads them); an optional `get_reward()` scores the ended episode from its state —
-TRL's reward of weight 1 beside the reward functions, here a reward the episode's return includes. `env.name=
-my_module:MyEnv` names one: a class with a `reset` that is not an lorarl `Environment` is played one instance per
-episode, its tools called in the run's `env.tool_format`, beside `env.tools` (TRL's `tools=`). Reward functions written
-for TRL get `environments=[...]`, one instance per response, as TRL passes them.
+A TRL environment is a class with `reset(**row)`, which starts an episode from its data row — every field of it, the
+prompt included, as TRL passes them — (a string it returns is appended to the last prompt message), and public methods
+that are the model's tools (schemas from their type hints and Google-style docstrings, as TRL reads them); an optional
+`get_reward()` scores the ended episode from its state — TRL's reward of weight 1 beside the reward functions, here a
+reward the episode's return includes. `env.name=my_module:MyEnv` names one: a class with a `reset` that is not an
+lorarl `Environment` is played one instance per episode, its tools called in the run's `env.tool_format`, beside
+`env.tools` (TRL's `tools=`). A dict of such classes (`env.name=my_module:ENVIRONMENTS`, TRL's `environment_factory=
+{"coding": CodingEnv, "game": GameEnv}`) has each row's `environment` field choose its class; that field is not
+passed to `reset`, and a row offers only its class's tools. Reward functions written for TRL get `environments=[...]`,
+one instance per response, as TRL passes them.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from lorarl.trainer.envs.base import Environment
 from lorarl.trainer.envs.tools import Tool, ToolEnvironment
+from lorarl.trainer.errors import TrainerError
 
 RESERVED = ("reset", "get_reward")  # TRL's methods that are not tools
+ROUTE = "environment"  # the row field that chooses among a dict of environments
 
 
-def is_factory(found: object) -> bool:
-    """A TRL-style environment class: one with a `reset`, not an lorarl `Environment`."""
+def _is_class(found: object) -> bool:
     return (isinstance(found, type) and not issubclass(found, Environment)
             and callable(getattr(found, "reset", None)))  # fmt: skip
 
 
-def factory_environment(factory: type) -> type[FactoryEnvironment]:
-    """The lorarl environment that plays `factory`'s episodes. Its tools are read here, from one instance (as TRL
-    probes it): a method that cannot be a tool is named when the run is configured, and each episode only binds the
-    schemas to its own instance."""
-    return type(f"Factory[{factory.__name__}]", (FactoryEnvironment,),
-                {"factory": factory, "methods": tuple(tools_of(factory()))})  # fmt: skip
+def is_factory(found: object) -> bool:
+    """A TRL-style environment class (one with a `reset`, not an lorarl `Environment`), or a dict of them by name."""
+    if isinstance(found, Mapping):
+        return bool(found) and all(isinstance(k, str) and _is_class(v) for k, v in found.items())
+    return _is_class(found)
+
+
+def factory_environment(factory: type | Mapping[str, type]) -> type[FactoryEnvironment]:
+    """The lorarl environment that plays `factory`'s episodes (a class, or a dict of classes by name). Their tools are
+    read here, from one instance of each (as TRL probes them): a method that cannot be a tool is named when the run is
+    configured, and each episode only binds the schemas to its own instance."""
+    factories = dict(factory) if isinstance(factory, Mapping) else {None: factory}
+    name = "|".join(f.__name__ for f in factories.values())
+    return type(f"Factory[{name}]", (FactoryEnvironment,),
+                {"factories": factories, "methods": {key: tuple(tools_of(f())) for key, f in factories.items()}})
 
 
 def tools_of(instance: object) -> list[Tool]:
@@ -46,15 +59,26 @@ def tools_of(instance: object) -> list[Tool]:
 class FactoryEnvironment(ToolEnvironment):
     """One episode of a TRL environment: its instance, made and reset when the episode starts."""
 
-    factory: Callable[[], object]
-    methods: tuple[Tool, ...]  # the class's tools, bound to the probed instance
+    factories: dict[str | None, Callable[[], object]]  # by name (None: the one class of a single factory)
+    methods: dict[str | None, tuple[Tool, ...]]  # each class's tools, bound to its probed instance
 
     def start(self, example) -> list[dict]:
         messages = super().start(example)
-        self.instance = self.factory()
-        own = (replace(tool, fn=getattr(self.instance, tool.name)) for tool in self.methods)
+        row = example.row()
+        key = None
+        if None not in self.factories:  # a dict: the row chooses, and keeps its choice from `reset`
+            key = row.pop(ROUTE, None)
+            if key not in self.factories:
+                raise TrainerError(f"{example.where}: {ROUTE}={key!r} is not one of the environments "
+                                   f"{sorted(self.factories)}")  # fmt: skip
+        self.instance = self.factories[key]()
+        own = [replace(tool, fn=getattr(self.instance, tool.name)) for tool in self.methods[key]]
+        shadowed = sorted({t.name for t in own} & {t.name for t in self.setup.tools})
+        if shadowed:
+            raise TrainerError(f"env.tools: {shadowed} share their names with methods of "
+                               f"{type(self.instance).__name__}, its tools: rename one or the other")  # fmt: skip
         self.tools = (*self.setup.tools, *own)
-        observation = self.instance.reset(**{"prompt": example.prompt, "answer": example.answer, **example.columns})
+        observation = self.instance.reset(**row)
         if observation is not None:
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
         return messages

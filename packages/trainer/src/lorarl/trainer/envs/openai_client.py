@@ -131,6 +131,10 @@ class ClientEnvironment(ChatEnvironment):
         """Why the program ended (the episode's stop reason)."""
         return "done"
 
+    def conversation(self, actions: list[Action]) -> tuple[list[dict], list[dict]]:
+        """None for reward functions: the program keeps its conversation, and scores it itself."""
+        return [], []
+
     @property
     def result(self):
         """What the program returned (None while it runs, or if it raised)."""
