@@ -13,6 +13,7 @@ import torch
 
 KEYS = ("tml-tenant-a", "tml-tenant-b")
 CLIENTS: dict[str, list] = {}  # server URL -> the SDK clients made for it (closed before the server stops)
+SERVERS: dict[str, subprocess.Popen] = {}  # server URL -> its process, while it runs
 
 
 def free_port() -> int:
@@ -40,6 +41,7 @@ def running_server(model: str, state_dir: Path, *extra: str):
                "--state-dir", str(state_dir), *[a for key in KEYS for a in ("--api-key", key)], *extra]  # fmt: skip
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=dies_with_parent)
     url = f"http://127.0.0.1:{port}"
+    SERVERS[url] = process
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -57,6 +59,7 @@ def running_server(model: str, state_dir: Path, *extra: str):
                 client.close("success").result(timeout=10)
         process.terminate()
         process.wait(timeout=30)
+        SERVERS.pop(url, None)
         log.close()
 
 

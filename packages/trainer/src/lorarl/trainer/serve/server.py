@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 from lorarl.trainer import threads
 from lorarl.trainer.serve.sampling import Sampler, SampleRequest
 from lorarl.trainer.serve.service import Service
-from lorarl.trainer.serve.tenancy import LoraShape, RequestError
+from lorarl.trainer.serve.tenancy import LoraShape, NotFound, RequestError, SessionFinished
 from lorarl.trainer.serve.wire import (
     PROTOBUF,
     forward_backward_output,
@@ -33,9 +34,10 @@ from lorarl.trainer.serve.wire import (
     sample_response,
 )
 
+SESSION_TIMEOUT_S = 300.0  # a session that sends nothing this long (the SDK heartbeats every 10 s) has lost its client
 RESULT_TTL_S = 600.0  # how long a ready result waits for its client (then let go: a server lives long)
 POLL_S = 20.0  # how long retrieve_future holds a request for a result (the SDK gives up on a poll after 45 s)
-ORDER_WAIT_S = 5.0  # how long a run's request waits for a missing earlier seq_id (a failed submission leaves a gap)
+ORDER_WAIT_S = 30.0  # how long a run's request waits for a missing earlier seq_id, then fails (never out of order)
 API = "/api/v1"
 # the SDK's AdamParams defaults (torch's AdamW: decoupled weight decay; grad_clip_norm 0 = no clipping)
 ADAM_DEFAULTS = {
@@ -53,12 +55,16 @@ class Server:
     """The HTTP layer over a `Service`: sessions, futures, per-run ordering, the API key."""
 
     def __init__(self, service: Service, *, api_keys: tuple[str, ...] = (), bases: tuple[str, ...] = (),
-                 result_ttl: float = RESULT_TTL_S):  # fmt: skip
+                 result_ttl: float = RESULT_TTL_S, session_timeout: float = SESSION_TIMEOUT_S,
+                 order_wait: float = ORDER_WAIT_S):  # fmt: skip
         self.service, self.api_keys, self.bases = service, api_keys, bases
-        self.result_ttl = result_ttl
+        self.result_ttl, self.session_timeout, self.order_wait = result_ttl, session_timeout, order_wait
+        self.started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        self.epoch = uuid.uuid4().hex[:8]  # this server's life: a request id made before a restart is not its own
         self.compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorarl-serve")
         self.futures: dict[str, asyncio.Future] = {}
         self.next_seq: dict[str, int] = {}  # training run -> the seq_id its next request should carry
+        self.waiting: dict[str, dict[int, tuple]] = {}  # training run -> seq_id -> (fn, future): ahead of their turn
         self.order = asyncio.Condition()
         self.by_seq: dict[tuple[str, int | None], str] = {}  # (run, seq_id) -> its request id
         self.samples: collections.deque = collections.deque()  # sample requests not yet taken by `answer_samples`
@@ -77,7 +83,7 @@ class Server:
     def hold(self, future: asyncio.Future, owner: str, key: tuple | None = None) -> str:
         """A new request id for `future`, whose result is kept `result_ttl` seconds once ready (the SDK may poll
         again after a network error), then let go — with its `(run, seq_id)` entry, `key`."""
-        request_id = str(uuid.uuid4())
+        request_id = f"{self.epoch}-{uuid.uuid4()}"
         self.futures[request_id] = (future, owner)
 
         def expire() -> None:
@@ -89,25 +95,48 @@ class Server:
         return request_id
 
     async def submit_in_order(self, model_id: str, seq_id: int | None, fn: Callable[[], Any], owner: str) -> str:
-        """`submit`, after the run's requests with lower seq_ids (or once `ORDER_WAIT_S` has passed without them). A
-        retried request (the same run and seq_id) gets the first one's request id and runs once."""
+        """`fn`'s request id, at once: `fn` joins the compute queue after the run's requests with lower seq_ids — at
+        once if they are all in, or when the missing one arrives (the SDK sends a forward_backward's first chunk last).
+        Never out of order: a request still waiting for a seq_id after `order_wait` seconds fails. A retried request
+        (the same run and seq_id) gets the first one's request id and runs once."""
         key = (model_id, seq_id)
         if seq_id and key in self.by_seq:
             return self.by_seq[key]
-        async with self.order:
-            if seq_id and model_id in self.next_seq:
-                try:
-                    await asyncio.wait_for(self.order.wait_for(lambda: self.next_seq[model_id] >= seq_id),
-                                           ORDER_WAIT_S)  # fmt: skip
-                except TimeoutError:
-                    log.warning("model %s: seq_id %d came before %d; running it", model_id, seq_id,
-                                self.next_seq[model_id])  # fmt: skip
-                self.next_seq[model_id] = max(self.next_seq[model_id], seq_id + 1)
-                self.order.notify_all()
-            if seq_id and key in self.by_seq:
-                return self.by_seq[key]
-            request_id = self.by_seq[key] = self.hold(self.run_async(fn), owner, key)
-            return request_id
+        if model_id in self.service.runs:  # another key's run: refused at once, never queued behind its turn
+            try:
+                self.service.run(model_id, owner)
+            except PermissionError as error:
+                return self.hold(_failed(error), owner)
+        if not seq_id:
+            return self.submit(fn, owner)
+        expected = self.next_seq.setdefault(model_id, seq_id)  # a run the server resumed: its first seq_id seen
+        if seq_id < expected:
+            raise RequestError(f"seq_id {seq_id} of {model_id}: that turn has passed (the run is at {expected}), and "
+                               "its result is gone")  # fmt: skip
+        future = asyncio.get_running_loop().create_future()
+        request_id = self.by_seq[key] = self.hold(future, owner, key)
+        self.waiting.setdefault(model_id, {})[seq_id] = (fn, future)
+        self._release(model_id)
+        if seq_id in self.waiting.get(model_id, {}):  # ahead of its turn
+            asyncio.get_running_loop().call_later(self.order_wait, self._give_up, model_id, seq_id)
+        return request_id
+
+    def _release(self, model_id: str) -> None:
+        """The run's waiting requests that are next, onto the compute queue in seq_id order."""
+        waiting = self.waiting.get(model_id, {})
+        while self.next_seq[model_id] in waiting:
+            fn, future = waiting.pop(self.next_seq[model_id])
+            self.next_seq[model_id] += 1
+            asyncio.ensure_future(self.run_async(fn)).add_done_callback(functools.partial(_forward, future))
+
+    def _give_up(self, model_id: str, seq_id: int) -> None:
+        waiting = self.waiting.get(model_id, {})
+        if seq_id in waiting:
+            _, future = waiting.pop(seq_id)
+            missing = self.next_seq[model_id]
+            future.set_exception(RequestError(
+                f"seq_id {seq_id} of {model_id} waited {self.order_wait:g} s for seq_id {missing}, which never came; "
+                "not run out of order"))  # fmt: skip
 
     async def ordered(self, model_id: str, seq_id: int | None, fn: Callable[[], Any], owner: str) -> dict:
         """The answer to a training run's request: `fn` submitted in the run's order."""
@@ -137,15 +166,39 @@ class Server:
         self.service.session(_field(body, "session_id", str), owner)
         return {"type": "session_heartbeat"}
 
+    async def finish(self, session_id: str, owner: str, why: str) -> None:
+        """Let go of what session `session_id` made (`Service.finish_session`, on the compute thread: after what
+        its runs had queued), and of this server's records of its runs. A second finish changes nothing."""
+        if session_id in self.service.finished:
+            return
+        self.service.session(session_id, owner)
+        runs = await self.run_async(lambda: self.service.finish_session(session_id, why))
+        for model_id in runs:
+            self.next_seq.pop(model_id, None)
+            for _, future in self.waiting.pop(model_id, {}).values():
+                future.set_exception(SessionFinished(f"model_id={model_id!r}: its session finished ({why})"))
+        for key in [k for k in self.counters if k.startswith(f"{session_id}:")]:
+            del self.counters[key]
+
+    async def reap(self) -> None:
+        """Every so often, finish the sessions whose clients have gone silent (`session_timeout`)."""
+        while True:
+            await asyncio.sleep(min(60.0, self.session_timeout / 4))
+            for session_id in self.service.idle_sessions(self.session_timeout):
+                log.info("session %s: nothing for %g s; letting go of its runs", session_id, self.session_timeout)
+                await self.finish(session_id, self.service.owners[session_id],
+                                  f"idle for {self.session_timeout:g} s")  # fmt: skip
+
     async def create_model(self, body: dict, owner: str) -> dict:
         session = _field(body, "session_id", str)
         model_id = self.new_id(session, "train", body.get("model_seq_id"))
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise RequestError("lora_config: expected an object")
-        shape = LoraShape(rank=int(lora.get("rank", 32)), train_attn=bool(lora.get("train_attn", True)),
-                          train_mlp=bool(lora.get("train_mlp", True)),
-                          train_unembed=bool(lora.get("train_unembed", False)), seed=lora.get("seed"))  # fmt: skip
+        shape = LoraShape(rank=_number(lora, "rank", int, 32, "lora_config"),
+                          train_attn=_flag(lora, "train_attn", True), train_mlp=_flag(lora, "train_mlp", True),
+                          train_unembed=_flag(lora, "train_unembed", False),
+                          seed=_number(lora, "seed", int, None, "lora_config"))  # fmt: skip
         base = _field(body, "base_model", str)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
@@ -266,14 +319,17 @@ class Server:
         if top_k not in (-1, 0, None):
             raise RequestError(f"sampling_params.top_k={top_k}: this server samples with top_k=-1 (all tokens) only")
         request = SampleRequest(
-            prompt=prompt, num_samples=int(body.get("num_samples", 1)), max_tokens=int(params.get("max_tokens") or 16),
-            temperature=float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0),
-            top_p=float(params.get("top_p") or 1.0), seed=params.get("seed"),
+            prompt=prompt, num_samples=_number(body, "num_samples", int, 1),
+            max_tokens=_number(params, "max_tokens", int, 16, "sampling_params"),
+            temperature=_number(params, "temperature", float, 1.0, "sampling_params"),
+            top_p=_number(params, "top_p", float, 1.0, "sampling_params"),
+            seed=_number(params, "seed", int, None, "sampling_params"),
             stop_strings=tuple(s for s in stop if isinstance(s, str)),
             stop_tokens=tuple(s for s in stop if isinstance(s, int)),
         )  # fmt: skip
         if request.num_samples < 1 or request.max_tokens < 1:
-            raise RequestError("num_samples and sampling_params.max_tokens must be >= 1")
+            raise RequestError(f"num_samples and sampling_params.max_tokens must be >= 1 (got {request.num_samples} "
+                               f"and {request.max_tokens})")  # fmt: skip
         if body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") or body.get("prompt_alt_tokens_k"):
             raise RequestError("top-k log-probs: not served (prompt_logprobs and the sampled tokens' log-probs are)")
         with_prompt = bool(body.get("prompt_logprobs"))
@@ -314,8 +370,11 @@ class Server:
         """A result when ready (JSON, or protobuf bytes), `try_again` after `POLL_S`, or the request's error."""
         request_id = _field(body, "request_id", str)
         future, requester = self.futures.get(request_id, (None, None))
+        if future is None and not request_id.startswith(f"{self.epoch}-"):
+            raise NotFound(f"request_id={request_id!r}: made before this server restarted (at {self.started}); "
+                              "its result is gone: send the request again")  # fmt: skip
         if future is None:
-            raise LookupError(f"request_id={request_id!r}: no such request (results are kept {self.result_ttl:g} s "
+            raise NotFound(f"request_id={request_id!r}: no such request (results are kept {self.result_ttl:g} s "
                               "after they are ready: --result-ttl)")  # fmt: skip
         if requester != owner:
             raise PermissionError(f"request_id={request_id!r}: belongs to another API key")
@@ -325,12 +384,26 @@ class Server:
             return Pending({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         except RequestError as error:
             return {"error": str(error), "category": "user"}
-        except (LookupError, PermissionError) as error:
+        except (NotFound, PermissionError) as error:
             return {"error": str(error).strip("'\""), "category": "user"}
         except Exception as error:
             log.exception("request %s failed", request_id)
             return {"error": f"{type(error).__name__}: {error}", "category": "server"}
         return result
+
+
+def _failed(error: Exception) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(error)
+    return future
+
+
+def _forward(future: asyncio.Future, done: asyncio.Future) -> None:
+    """`done`'s outcome onto `future` (the one a client polls)."""
+    if done.exception() is not None:
+        future.set_exception(done.exception())
+    else:
+        future.set_result(done.result())
 
 
 def _settle(future: asyncio.Future, answer) -> None:
@@ -357,6 +430,23 @@ def _field(body: dict, key: str, kind, where: str = "body"):
     if not isinstance(body[key], kind):
         raise RequestError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {type(body[key]).__name__}")
     return body[key]
+
+
+def _number(body: dict, key: str, kind: type, default, where: str = "body"):
+    """`body[key]` as a number of `kind` (None or absent: `default`); anything else is the client's error, named."""
+    value = body.get(key) if isinstance(body, dict) else None
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+        raise RequestError(f"{where}.{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(f"lora_config.{key}: expected true or false, got {value!r}")
+    return value
 
 
 def _prompt_tokens(prompt: dict) -> list[int]:
@@ -387,7 +477,9 @@ def make_app(server: Server):
             raise
         except RequestError as error:
             return web.json_response({"error": str(error), "category": "user"}, status=400)
-        except LookupError as error:
+        except SessionFinished as error:
+            return web.json_response({"error": str(error).strip("'\""), "category": "user"}, status=410)
+        except NotFound as error:
             return web.json_response({"error": str(error).strip("'\""), "category": "user"}, status=404)
         except PermissionError as error:
             return web.json_response({"error": str(error), "category": "user"}, status=403)
@@ -421,15 +513,24 @@ def make_app(server: Server):
         return _respond(await server.sampler(request.match_info["sampler_id"], _owner(request)))
 
     async def finish(request: web.Request):
-        return web.Response(status=200)
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        status = body.get("status", "finished") if isinstance(body, dict) else "finished"
+        await server.finish(request.match_info["session_id"], _owner(request), f"closed by its client: {status}")
+        return web.json_response({})
 
     async def accepted(request: web.Request):
         return web.json_response({"status": "accepted"})
 
     async def started(app) -> None:
         server.loop = asyncio.get_running_loop()
+        app["reaper"] = asyncio.create_task(server.reap())
 
     async def stopped(app) -> None:  # after the last request: the samplers (a vLLM engine) stop on the compute thread
+        app["reaper"].cancel()
         await server.run_async(server.service.close)
 
     app = web.Application(middlewares=[guard], client_max_size=1 << 31)
@@ -491,6 +592,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="--sampler vllm on the CPU: its KV cache")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="--sampler vllm on a GPU: the share vLLM takes (training needs the rest)")  # fmt: skip
+    parser.add_argument("--session-timeout", type=float, default=SESSION_TIMEOUT_S,
+                        help="seconds without a heartbeat or request after which a session's runs are let go (what "
+                        "they saved stays on disk)")  # fmt: skip
+    parser.add_argument("--order-wait", type=float, default=ORDER_WAIT_S,
+                        help="seconds a run's request waits for an earlier seq_id that has not arrived, then fails "
+                        "(requests never run out of their run's order)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: the cores available, fewer while other work keeps them busy)")
     args = parser.parse_args(argv)
@@ -518,7 +625,8 @@ def main(argv: list[str]) -> int:
             service.base(name)
         except RequestError as error:
             parser.error(f"--base {name}: {error}")
-    server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base), result_ttl=args.result_ttl)
+    server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base), result_ttl=args.result_ttl,
+                    session_timeout=args.session_timeout, order_wait=args.order_wait)  # fmt: skip
     print(chosen.describe(), flush=True)
     print(f"serving the Tinker API at http://{args.host}:{args.port} (TINKER_BASE_URL)", flush=True)
     web.run_app(make_app(server), host=args.host, port=args.port, print=None)

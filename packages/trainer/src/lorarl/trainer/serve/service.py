@@ -19,7 +19,16 @@ import torch
 
 from lorarl.trainer.models import resolve_device
 from lorarl.trainer.serve.sampling import Sampler, SampleRequest, Sequence, Snapshot
-from lorarl.trainer.serve.tenancy import Datum, LoraShape, RequestError, SharedBase, TrainingRun, write_adapter
+from lorarl.trainer.serve.tenancy import (
+    Datum,
+    LoraShape,
+    NotFound,
+    RequestError,
+    SessionFinished,
+    SharedBase,
+    TrainingRun,
+    write_adapter,
+)
 
 TINKER_PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -62,6 +71,7 @@ class Service:
         self.sampler_snapshots = sampler_snapshots  # per run: its newest, in memory (a long run makes one a step)
         self.recent: dict[str, list[str]] = {}  # run -> the paths of its snapshots in memory, oldest first
         self.dropped: set[str] = set()  # unnamed snapshots let go (nothing on disk to read them back from)
+        self.finished: dict[str, str] = {}  # session id -> why it finished (the client's close, or idle)
 
     # -- bases --
     def base(self, name: str) -> SharedBase:
@@ -89,15 +99,17 @@ class Service:
 
     def session(self, session_id: str, owner: str) -> None:
         """Check that `owner` may use session `session_id`, and note that it is alive."""
+        if session_id in self.finished:
+            raise SessionFinished(f"session_id={session_id!r}: finished ({self.finished[session_id]})")
         if session_id not in self.sessions:
-            raise LookupError(f"session_id={session_id!r}: no such session")
+            raise NotFound(f"session_id={session_id!r}: no such session")
         _same_owner(self.owners[session_id], owner, f"session_id={session_id!r}")
         self.sessions[session_id] = time.monotonic()
 
     def run(self, model_id: str, owner: str) -> Run:
         """Training run `model_id`, if `owner`'s."""
         if model_id not in self.runs:
-            raise LookupError(f"model_id={model_id!r}: no such training run")
+            raise NotFound(f"model_id={model_id!r}: no such training run")
         run = self.runs[model_id]
         _same_owner(self.owners.get(run.session), owner, f"model_id={model_id!r}")
         return run
@@ -129,9 +141,30 @@ class Service:
         return self.run(model_id, owner).training.optim_step(**adam)
 
     def close_run(self, model_id: str) -> None:
+        """Let go of a run: its adapter and optimizer state, and its sampler snapshots in memory (what it saved stays
+        on disk)."""
         run = self.runs.pop(model_id, None)
         if run is not None:
             run.training.close()
+        for path in self.recent.pop(model_id, []):
+            self._drop_snapshot(path)
+
+    def finish_session(self, session_id: str, why: str) -> list[str]:
+        """Let go of everything session `session_id` made — its runs (`close_run`), its sampling sessions — and
+        answer its later requests that it has finished (`why`). Returns its runs' ids."""
+        runs = [model_id for model_id, run in self.runs.items() if run.session == session_id]
+        for model_id in runs:
+            self.close_run(model_id)
+        for sampling in [s for s in self.sampling_sessions if s.startswith(f"{session_id}:")]:
+            del self.sampling_sessions[sampling]
+        self.sessions.pop(session_id, None)
+        self.finished[session_id] = why
+        return runs
+
+    def idle_sessions(self, timeout: float) -> list[str]:
+        """Sessions that have sent nothing (a heartbeat, a request) for `timeout` seconds: their clients are gone."""
+        now = time.monotonic()
+        return [session_id for session_id, seen in self.sessions.items() if now - seen > timeout]
 
     # -- saved weights --
     def save_weights(self, model_id: str, owner: str, name: str, *, overwrite: bool = False) -> str:
@@ -168,11 +201,15 @@ class Service:
         self.snapshots[path] = snapshot
         recent.append(path)
         while len(recent) > self.sampler_snapshots:
-            old = recent.pop(0)
-            base_name, _, _ = self.snapshots.pop(old)
-            self.samplers[base_name].forget(old)
-            if "/sampler_weights/ephemeral-" in old:
-                self.dropped.add(old)
+            self._drop_snapshot(recent.pop(0))
+
+    def _drop_snapshot(self, path: str) -> None:
+        """A sampler snapshot out of memory: a named one is read from disk again when asked for, an unnamed one is
+        gone."""
+        base_name, _, _ = self.snapshots.pop(path)
+        self.samplers[base_name].forget(path)
+        if "/sampler_weights/ephemeral-" in path:
+            self.dropped.add(path)
 
     def load_weights(self, model_id: str, owner: str, path: str, *, optimizer: bool) -> None:
         """Resume run `model_id` from saved weights (`optimizer`: its Adam state too)."""
@@ -282,7 +319,7 @@ class Service:
 
     def sampling_session(self, session_id: str, owner: str) -> SamplingSession:
         if session_id not in self.sampling_sessions:
-            raise LookupError(f"sampling_session_id={session_id!r}: no such sampling session")
+            raise NotFound(f"sampling_session_id={session_id!r}: no such sampling session")
         session = self.sampling_sessions[session_id]
         _same_owner(session.owner, owner, f"sampling_session_id={session_id!r}")
         return session
@@ -303,7 +340,7 @@ class Service:
                 session = self.sampling_session(session_id, owner)
                 self.samplers[session.base_name].check(request)
                 by_base.setdefault(session.base_name, []).append((i, self._sampler_adapter(session), request))
-            except (RequestError, LookupError, PermissionError) as error:
+            except (RequestError, NotFound, PermissionError) as error:
                 answers[i] = error
         for base_name, batch in by_base.items():
             sequences = self.samplers[base_name].sample_many([(adapter, request) for _, adapter, request in batch])

@@ -29,6 +29,15 @@ class RequestError(ValueError):
     """A request the server cannot run as asked: the client's to fix (the API's `user` error category)."""
 
 
+class NotFound(LookupError):
+    """A session, run, sampling session or request the client named that the server does not hold (HTTP 404, the
+    `user` category: any other LookupError is the server's own failure)."""
+
+
+class SessionFinished(NotFound):
+    """A request to a session that has finished (HTTP 410, which ends the SDK's heartbeat)."""
+
+
 @dataclass(frozen=True)
 class LoraShape:
     """Which layers a run's adapter covers, and its rank (the API's `LoraConfig`)."""
@@ -38,6 +47,10 @@ class LoraShape:
     train_mlp: bool = True
     train_unembed: bool = False
     seed: int | None = None
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise RequestError(f"lora_config.rank: expected >= 1, got {self.rank}")
 
 
 @dataclass
@@ -97,6 +110,9 @@ class SharedBase:
                 self.model = get_peft_model(self.base, config, adapter_name=name).eval()
             else:
                 self.model.add_adapter(name, config)
+            active = self.model.active_adapter  # peft's own; left naming a deleted adapter once all were removed
+            if not isinstance(active, str) or active not in self.model.peft_config:
+                self.model.active_adapter = name
         params = list(self.factors(name).values())
         for p in params:
             p.requires_grad_(True)  # peft adds an adapter that is not the active one frozen

@@ -86,10 +86,14 @@ def read_data(message) -> tuple[list[Datum], str, dict[str, float]]:
     if unknown:
         raise RequestError(f"loss_fn_config: {', '.join(sorted(unknown))} not taken by {message.loss_fn} "
                            f"(it takes: {', '.join(defaults) or 'nothing'})")  # fmt: skip
+    if not message.data:
+        raise RequestError("data: expected at least one datum")
     data = []
     for i, datum in enumerate(message.data):
         where = f"data[{i}]"
         tokens = tokens_of(datum.model_input, f"{where}.model_input")
+        if not tokens:
+            raise RequestError(f"{where}.model_input: empty (a datum needs at least one input token)")
         inputs = datum.loss_fn_inputs
         if "target_tokens" not in inputs:
             raise RequestError(f"{where}.loss_fn_inputs: expected target_tokens")
