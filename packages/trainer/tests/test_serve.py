@@ -318,3 +318,5 @@ def test_a_server_that_cannot_start_says_why_without_a_traceback(tmp_path):
         assert done.returncode == 2, done.stderr
         assert expected in done.stderr, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith("trainer serve: error: "), done.stderr
+        assert "usage:" not in done.stderr, done.stderr  # one line, not the usage before it

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from lorarl.trainer.config import ConfigError, help_text, load_config
+from lorarl.trainer.config import ConfigError, help_text, load_config, task_names
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.presets import PRESETS, presets_help
@@ -20,9 +20,11 @@ USAGE = """usage: trainer [CONFIG.yaml] [key=value ...]
        trainer --help [CONFIG.yaml] [key=value ...]     (with the settings of the plugins they name)
        trainer export --checkpoint DIR --merged OUT
        trainer eval --checkpoint DIR [--val-files FILE ...] [--n 8] [--out FILE.json] [key=value ...]
+       trainer serve [--base MODEL ...] [--port 8000] ...   (the Tinker API; trainer serve --help)
 
 GRPO-family RL with LoRA. With no arguments: the embedded default (a small model learning multi-digit addition), on
-CPU, in about a minute. Presets: algorithm=<{presets}>.
+CPU, in about a minute. Shipped tasks: task=<{tasks}> (a model, data and settings; task=calculator: the embedded
+multi-turn task). Presets: algorithm=<{presets}>.
 """
 
 
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in ("-h", "--help"):  # with a config: its plugins' settings too
             files, overrides = _split(argv[1:])
             text = help_text(files[0] if files else None, overrides, presets=PRESETS)
-            console.print(USAGE.format(presets="|".join(PRESETS)), presets_help(), "", text, sep="\n", markup=False)
+            usage = USAGE.format(presets="|".join(PRESETS), tasks="|".join(task_names()))
+            console.print(usage, presets_help(), "", text, sep="\n", markup=False)
             return 0
         if argv and argv[0] == "export":
             return _export(argv[1:], console)

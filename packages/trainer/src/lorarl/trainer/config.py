@@ -11,6 +11,7 @@ else) with `task=<name>`, the environment with `env=<name>` (short for `env.name
 
 import difflib
 import functools
+import textwrap
 import types
 import typing
 import warnings
@@ -196,11 +197,16 @@ def _read_yaml(path: str | Path) -> dict:
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
+def task_names() -> list[str]:
+    """The shipped tasks (`task=<name>`)."""
+    return sorted(p.stem for p in TASKS_DIR.glob("*.yaml"))
+
+
 def _task_file(name: str) -> Path:
     """`task=<name>`: a shipped task's settings (`tasks/<name>.yaml`), the first layer of the configuration."""
     path = TASKS_DIR / f"{name}.yaml"
     if not path.is_file():
-        names = sorted(p.stem for p in TASKS_DIR.glob("*.yaml"))
+        names = task_names()
         raise ConfigError(f"task={name}: unknown task; choose one of {names}")
     return path
 
@@ -226,12 +232,27 @@ def help_text(path: str | Path | None = None, overrides: list[str] = (), presets
         meaning = f.metadata.get("help", "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
         if low is not None or high is not None:
             meaning += f" [{'' if low is None else low}..{'' if high is None else high}]"
-        lines.append(f"  {key:32} {_type_name(f.type):10} {default!r:18} {meaning}")
+        lines += _wrapped(f"  {key:32} {_type_name(f.type):16} {default!r:18} ", meaning)
     for key, registry in pluggable().items():
         if key != "reward.fns":
-            lines += ["", f"{key}: the registered choices"] + [f"  {e.name:24} {e.summary}" for e in registry.entries()]
-            lines += [f"  {word:24} {meaning}" for word, meaning in registry.keywords.items()]
+            lines += ["", f"{key}: the registered choices"]
+            for name, meaning in [*((e.name, e.summary) for e in registry.entries()), *registry.keywords.items()]:
+                lines += _wrapped(f"  {name:24} ", meaning)
     return "\n".join(lines)
+
+
+HELP_WIDTH = 120
+
+
+def _wrapped(head: str, text: str) -> list[str]:
+    """`head` then `text` wrapped to `HELP_WIDTH` columns, its lines under the first (or, after a long head, on
+    lines of their own)."""
+    indent = len(head) if len(head) <= 72 else 6
+    wrapped = textwrap.wrap(text, HELP_WIDTH - indent) or [""]
+    if indent == len(head):
+        return [head + wrapped[0], *(" " * indent + line for line in wrapped[1:])]
+    heads = textwrap.wrap(head, HELP_WIDTH, subsequent_indent=" " * indent)
+    return [*heads, *(" " * indent + line for line in wrapped)]
 
 
 def _valid_keys(schema: type) -> list[str]:
@@ -270,4 +291,6 @@ def _type_name(tp) -> str:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
     return getattr(tp, "__name__", str(tp))

@@ -1,6 +1,7 @@
 """Ready-made algorithm settings, selected with `algorithm=<name>`; each overrides the `algorithm` section and is then
 overridden by a YAML file and `key=value` pairs. Settings follow the papers and verl's recipes, so results transfer."""
 
+import textwrap
 from typing import NamedTuple
 
 
@@ -57,8 +58,9 @@ def presets_help() -> str:
     lines = ["Presets (algorithm=<name>, before the other settings):", ""]
     for name, preset in PRESETS.items():
         changed = {k: v for k, v in _flat(preset.settings).items() if name == "grpo" or _flat(_BASE).get(k) != v}
-        lines.append(f"  {name:8} {preset.summary}")
-        lines.append(f"  {'':8}   " + " ".join(f"{k}={v}" for k, v in changed.items()))
+        lines += textwrap.wrap(f"  {name:8} {preset.summary}", 120, subsequent_indent=" " * 11)
+        lines += textwrap.wrap(" ".join(f"{k}={v}" for k, v in changed.items()), 120, initial_indent=" " * 13,
+                               subsequent_indent=" " * 13)  # fmt: skip
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -602,7 +603,7 @@ def main(argv: list[str]) -> int:
                         help="torch CPU threads (0: the cores available, fewer while other work keeps them busy)")
     args = parser.parse_args(argv)
     if args.threads < 0:
-        parser.error(f"--threads: expected a count >= 0, got {args.threads}")
+        return _refused(f"--threads: expected a count >= 0, got {args.threads}")
     chosen = threads.configure(args.threads or None, key="--threads")
     from aiohttp import web
 
@@ -615,7 +616,7 @@ def main(argv: list[str]) -> int:
         from lorarl.trainer.serve.vllm_sampling import VllmSampler
 
         if importlib.util.find_spec("vllm") is None:
-            parser.error(f"--sampler vllm: vLLM is not installed here ({VLLM_INSTALL})")
+            return _refused(f"--sampler vllm: vLLM is not installed here ({VLLM_INSTALL})")
         sampler = functools.partial(VllmSampler, adapters=args.vllm_adapters, max_lora_rank=args.max_lora_rank,
                                     max_loras=args.max_loras, kv_cache_gb=args.kv_cache_gb,
                                     gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
@@ -624,10 +625,16 @@ def main(argv: list[str]) -> int:
         try:
             service.base(name)
         except RequestError as error:
-            parser.error(f"--base {name}: {error}")
+            return _refused(f"--base {name}: {error}")
     server = Server(service, api_keys=tuple(args.api_key), bases=tuple(args.base), result_ttl=args.result_ttl,
                     session_timeout=args.session_timeout, order_wait=args.order_wait)  # fmt: skip
     print(chosen.describe(), flush=True)
     print(f"serving the Tinker API at http://{args.host}:{args.port} (TINKER_BASE_URL)", flush=True)
     web.run_app(make_app(server), host=args.host, port=args.port, print=None)
     return 0
+
+
+def _refused(problem: str) -> int:
+    """A server that cannot start as asked: one line saying why (no usage, no traceback), exit status 2."""
+    print(f"trainer serve: error: {problem}", file=sys.stderr)
+    return 2
