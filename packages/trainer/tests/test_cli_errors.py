@@ -46,6 +46,23 @@ def test_bad_input_exits_with_a_clear_message(tiny_setup, tmp_path, capsys, extr
     assert message in capsys.readouterr().out
 
 
+def test_bad_data_or_tools_are_named_before_the_model_loads_and_leave_no_output_folder(tiny_setup, tmp_path, capsys):
+    """A model whose weights are damaged: it is never read, because the data (and the tools) are checked first."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_setup["model"], model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"damaged")
+    untyped = tmp_path / "tools.py"
+    untyped.write_text("def search(query):\n    return query\n")
+    cases = [({"data__train_files": "[/nonexistent/train.jsonl]"}, "data file /nonexistent/train.jsonl not found"),
+             ({"env__name": "tools", "env__tools": f"[{untyped}:search]"}, "is not a usable tool")]  # fmt: skip
+    for extra, message in cases:
+        out = tmp_path / "out"
+        assert main(tiny_overrides(tiny_setup, out, model__path=model, **extra)) == 2
+        assert message in capsys.readouterr().out
+        assert not out.exists()  # the run never started: no empty output folder left behind
+
+
 def test_an_output_dir_that_is_a_file_or_cannot_be_made_is_named(tiny_setup, tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("")

@@ -5,6 +5,7 @@ Each stage lives in a module of its own — `rollout` (prompts, engine, rewards,
 and `Trainer.train_step` reads them in order.
 """
 
+import contextlib
 import random
 import time
 from datetime import datetime
@@ -23,7 +24,15 @@ from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, SamplesLog, cuda_memory, plot, sample_rows
-from lorarl.trainer.models import Critic, Policy, load_tokenizer, resolve_device, rollout_dtype, warn_slow_dtypes
+from lorarl.trainer.models import (
+    Critic,
+    Policy,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_path,
+    rollout_dtype,
+    warn_slow_dtypes,
+)
 from lorarl.trainer.parallel import full_state_dict, gathered_trainable, setup_data_parallel, shard
 from lorarl.trainer.recompute import checkpoint_layers
 from lorarl.trainer.rollout import Rollouts, sampling_params
@@ -35,11 +44,35 @@ from lorarl.trainer.weights import WeightSync, describe_choice
 class Trainer:
     def __init__(self, config: Config, *, console=None):
         self.config = config
-        t, r = config.trainer, config.rollout
+        t = config.trainer
         self.console = Console(console, t.steps)
-        self.output_dir = checkpoint.output_dir(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
+        output = Path(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
+        fresh = not output.exists()
+        self.output_dir = checkpoint.output_dir(str(output))
+        try:
+            self._start(config)
+        except BaseException:
+            if fresh:  # a run that failed to start leaves no empty output folder behind
+                with contextlib.suppress(OSError):
+                    self.output_dir.rmdir()
+            raise
+
+    def _start(self, config: Config) -> None:
+        """Everything a run starts from: the data, reward and environment first (a missing file or an unusable tool
+        is reported in seconds, not after the model has loaded), then the model and the update."""
+        t, r = config.trainer, config.rollout
         _seed_everything(t.seed)
         self.threads = threads.configure(t.threads)  # from here: loading the model counts as its first busy time
+        self.tokenizer = load_tokenizer(resolve_model_path(config.model.path, config.model.gguf_file,
+                                                           config.model.dtype, config.model.revision))  # fmt: skip
+        self.train_set, dropped = data.load_examples("train", self.tokenizer, config.data)
+        self.val_set, val_dropped = data.load_examples("val", self.tokenizer, config.data)
+        if config.data.val_size:
+            self.val_set = self.val_set[: config.data.val_size]
+        self.dropped = {"train": dropped, "val": val_dropped}
+        self.reward = scoring.Rewards(config.reward, t.steps)
+        self.reward.check_answers(self.train_set + self.val_set)
+        self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
         self.dp, self.device = setup_data_parallel(resolve_device(t.device))
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         uses_critic = algorithms.ADVANTAGES[config.algorithm.adv_estimator].needs_values
@@ -70,15 +103,6 @@ class Trainer:
                 shard(self.critic.head, self.dp.mesh)
                 if not self.critic.shares_base:
                     shard(self.critic.model, self.dp.mesh)
-        self.tokenizer = load_tokenizer(self.policy.path)
-        self.train_set, dropped = data.load_examples("train", self.tokenizer, config.data)
-        self.val_set, val_dropped = data.load_examples("val", self.tokenizer, config.data)
-        if config.data.val_size:
-            self.val_set = self.val_set[: config.data.val_size]
-        self.dropped = {"train": dropped, "val": val_dropped}
-        self.reward = scoring.Rewards(config.reward, t.steps)
-        self.reward.check_answers(self.train_set + self.val_set)
-        self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
         self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip
