@@ -134,7 +134,8 @@ def test_bad_files(tmp_path):
 
 def test_help_has_every_key_type_default_and_meaning():
     text = help_text()
-    assert "model.lora.rank                  int              16                 LoRA rank; 0 = full fine-tuning" in text
+    rank = "model.lora.rank                  int              16                 LoRA rank; 0 = full fine-tuning"
+    assert rank in text
     assert "model.revision                   str | None       None" in text  # an optional value reads as such
     assert max(len(line) for line in text.splitlines()) <= 120  # wrapped to a terminal's width
     assert "rollout.engine" in text

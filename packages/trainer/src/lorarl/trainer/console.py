@@ -9,9 +9,11 @@ from lorarl.trainer.metrics import read
 class Console:
     """Lines above a live progress bar on a rich console; silent without one (`console=None`, e.g. in tests)."""
 
-    def __init__(self, console, steps: int):
+    def __init__(self, console, steps: int, hints: dict[str, str] | None = None):
         self.console, self.steps = console, steps
         self.progress = None
+        self.hints = hints or {}  # what to check when a warning comes (the run's settings, by warning)
+        self.warned: set[str] = set()
 
     @contextlib.contextmanager
     def live(self, start_step: int):
@@ -41,16 +43,34 @@ class Console:
             self.console.print(text, markup=False)
 
     def step_done(self, step: int, metrics: dict) -> None:
+        for kind, problem in WARNINGS.items():
+            if metrics.get(kind) == 1.0 and kind not in self.warned:  # once a run
+                self.warned.add(kind)
+                hint = self.hints.get(kind)
+                self.say(f"warning: step {step}: {problem}" + (f" ({hint})" if hint else ""))
         if "val/accuracy" in metrics:
             self.say(f"step {step}/{self.steps}  {status(metrics)}  val acc {metrics['val/accuracy']:.3f}")
         if self.progress is not None:
             self.progress.update(self.progress.task_ids[0], completed=step, status=status(metrics))
 
 
+# a step where every response or episode did this is worth a line: the run learns nothing from it
+WARNINGS = {
+    "response_length/truncated": "every response was cut at its token limit",
+    "env/stop/parse_error": "every episode ended on a tool call its format could not read",
+}
+
+
 def status(metrics: dict) -> str:
+    """The progress line: reward, KL, and for episodes their turns, tool calls and parse errors, per episode."""
     parts = [f"reward {metrics['reward/mean']:.3f}"]
     if "kl" in metrics:
         parts.append(f"kl {metrics['kl']:.4f}")
+    if "env/turns" in metrics:
+        parts.append(f"turns {metrics['env/turns']:.1f}")
+        parts += [f"{name} {metrics[key]:.2f}" for key, name in (("env/tool_calls", "tools"),
+                                                                 ("env/parse_errors", "parse errors"))
+                  if key in metrics]  # fmt: skip
     parts.append(f"{metrics['timing/step_s']:.2f} s/step")
     return "  ".join(parts)
 

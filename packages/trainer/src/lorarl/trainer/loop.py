@@ -45,7 +45,12 @@ class Trainer:
     def __init__(self, config: Config, *, console=None):
         self.config = config
         t = config.trainer
-        self.console = Console(console, t.steps)
+        r, env = config.rollout, config.env
+        hints = {"response_length/truncated": f"rollout.max_tokens={r.max_tokens}"
+                 + ("" if env.name == "none" else f", env.max_tokens={env.max_tokens}") + ": raise it",
+                 "env/stop/parse_error": f"env.tool_format={env.tool_format}: a tool the model was not trained to "
+                 "call, or another format?"}  # fmt: skip
+        self.console = Console(console, t.steps, hints)
         output = Path(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
         fresh = not output.exists()
         self.output_dir = checkpoint.output_dir(str(output))
