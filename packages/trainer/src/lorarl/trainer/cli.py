@@ -100,11 +100,25 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _export(argv: list[str], console) -> int:
+def export_arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainer export", description="write a merged full model from a checkpoint")
     parser.add_argument("--checkpoint", required=True, help="a checkpoints/step_N directory")
     parser.add_argument("--merged", required=True, help="output directory for the merged model")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def eval_arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainer eval", description="greedy accuracy and pass@k of a checkpoint "
+                                     "(or a merged model) on validation data")  # fmt: skip
+    parser.add_argument("--checkpoint", required=True, help="a checkpoints/step_N directory, or a merged model's")
+    parser.add_argument("--val-files", nargs="+", help="validation data (default: the run's data.val_files)")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt for pass@k (default 8)")
+    parser.add_argument("--out", help="also write the results to this JSON file")
+    return parser
+
+
+def _export(argv: list[str], console) -> int:
+    args = export_arguments().parse_args(argv)
     from lorarl.trainer.export import export_merged
 
     out = export_merged(args.checkpoint, args.merged)
@@ -113,12 +127,7 @@ def _export(argv: list[str], console) -> int:
 
 
 def _eval(argv: list[str], console) -> int:
-    parser = argparse.ArgumentParser(prog="trainer eval", description="greedy accuracy and pass@k of a checkpoint "
-                                     "(or a merged model) on validation data")  # fmt: skip
-    parser.add_argument("--checkpoint", required=True, help="a checkpoints/step_N directory, or a merged model's")
-    parser.add_argument("--val-files", nargs="+", help="validation data (default: the run's data.val_files)")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt for pass@k (default 8)")
-    parser.add_argument("--out", help="also write the results to this JSON file")
+    parser = eval_arguments()
     args, overrides = parser.parse_known_args(argv)
     if bad := [o for o in overrides if "=" not in o]:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")

@@ -563,8 +563,8 @@ def make_app(server: Server):
     return app
 
 
-def main(argv: list[str]) -> int:
-    """`trainer serve [--host H] [--port P] [--base NAME ...] [--state-dir DIR] [--api-key KEY]`."""
+def arguments() -> argparse.ArgumentParser:
+    """`trainer serve`'s options."""
     parser = argparse.ArgumentParser(prog="trainer serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -601,6 +601,12 @@ def main(argv: list[str]) -> int:
                         "(requests never run out of their run's order)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: the cores available, fewer while other work keeps them busy)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """`trainer serve [--host H] [--port P] [--base NAME ...] [--state-dir DIR] [--api-key KEY]`."""
+    parser = arguments()
     args = parser.parse_args(argv)
     if args.threads < 0:
         return _refused(f"--threads: expected a count >= 0, got {args.threads}")
