@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 from chat_fixtures import chat_model_dir
-from test_environment_factory import train_on_increment_env
-from test_skyrl_gym import train_on_gsm8k
+from test_environment_factory import train_on_increment_env, train_on_trl_style
+from test_skyrl_gym import train_on_gsm8k, train_on_skyrl_rows, train_on_text2sql
 from test_trainer_vllm import LOGP_DIFF_LIMIT
 from test_verifiers_env import train_on_verifiers
 
@@ -85,6 +85,30 @@ def test_a_skyrl_gym_environment_trains_on_vllm(tmp_path):
                            "rollout.vllm.kv_cache_gb=0.25")  # fmt: skip
     assert len(steps) == 2
     assert all(s["env/turns"] > 1 for s in steps)
+    assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT
+
+
+VLLM = ("rollout.engine=vllm", "rollout.dtype=float32", "rollout.vllm.kv_cache_gb=0.25")
+
+
+def test_trl_style_data_environments_and_rewards_train_on_vllm(tmp_path):
+    """TRL's conventions (a Dataset by import path, prompt-only; `reward_func(environments, **kwargs)`; a reward
+    counting the `tool` messages of its completions) on the real engine."""
+    steps = train_on_trl_style(tmp_path, chat_model_dir(tmp_path / "model", head_dim=32), *VLLM)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT
+
+
+def test_skyrl_s_own_rows_and_text2sql_train_on_vllm(tmp_path):
+    """SkyRL's gsm8k rows as its script writes them, and text2sql on a local database, with no key but the
+    environment's own, on the real engine."""
+    model = chat_model_dir(tmp_path / "model", head_dim=32)
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "sql").mkdir()
+    steps = train_on_skyrl_rows(tmp_path / "gsm8k", model, *VLLM)
+    steps += train_on_text2sql(tmp_path / "sql", model, *VLLM)
+    assert [s["step"] for s in steps] == [1, 2, 1, 2]
+    assert steps[-1]["env/turns"] == 2
     assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT
 
 

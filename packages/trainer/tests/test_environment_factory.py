@@ -240,18 +240,22 @@ def test_a_reward_that_takes_the_answer_refuses_data_without_one(tmp_path, capsy
                             "'reward_spec.ground_truth'; it has ['target']), which reward.fn='default' takes")
 
 
-def test_a_run_trains_on_trl_style_data_environments_and_rewards(tmp_path):
+def train_on_trl_style(tmp_path, model, *extra: str) -> list[dict]:
     """Two steps with the keys a TRL script's objects map to, and nothing else: the Dataset by import path, the
-    environment class, the reward functions."""
+    environment class, the reward functions. The steps' metrics."""
     from lorarl.trainer.cli import main
 
     path, out = trl_style(tmp_path), tmp_path / "out"
-    code = main([f"model.path={chat_model_dir(tmp_path / 'model')}", f"data.train_files={path}:dataset",
-                 f"data.val_files={path}:dataset", f"env={path}:CounterEnv", "env.tool_format=hermes",
+    code = main([f"model.path={model}", f"data.train_files={path}:dataset", f"data.val_files={path}:dataset",
+                 f"env={path}:CounterEnv", "env.tool_format=hermes",
                  f"reward.fns=[{path}:reward_func,{path}:tool_messages]", "data.batch_size=4", "rollout.n=2",
                  "rollout.max_tokens=16", "env.max_tokens=48", "trainer.steps=2", "trainer.eval_every=0",
-                 f"trainer.output_dir={out}"])  # fmt: skip
+                 f"trainer.output_dir={out}", *extra])  # fmt: skip
     assert code == 0
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_trains_on_trl_style_data_environments_and_rewards(tmp_path):
+    steps = train_on_trl_style(tmp_path, chat_model_dir(tmp_path / "model"))
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["rollout/abs_logp_diff"] < 0.02 for s in steps)

@@ -91,9 +91,14 @@ def skyrl_gsm8k_rows() -> list[dict]:
                             "question": f"What is {a} plus {a}?"}} for a in range(8)]  # fmt: skip
 
 
+def train_on_skyrl_rows(tmp_path, model, *extra: str) -> list[dict]:
+    """Two steps on SkyRL's gsm8k rows with no key set but the environment (and no reward function beside it)."""
+    return train_two_steps(tmp_path, model, skyrl_gsm8k_rows(), "env=skyrl_gym", "reward.fn=none",
+                           "rollout.max_tokens=12", *extra)  # fmt: skip
+
+
 def test_skyrl_rows_as_skyrl_writes_them_train_with_no_key_set(tmp_path):
-    steps = train_two_steps(tmp_path, chat_model_dir(tmp_path / "model"), skyrl_gsm8k_rows(), "env=skyrl_gym",
-                            "reward.fn=none", "rollout.max_tokens=12")  # fmt: skip
+    steps = train_on_skyrl_rows(tmp_path, chat_model_dir(tmp_path / "model"))
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["env/turns"] == 1 for s in steps)  # gsm8k: one turn
 
@@ -131,11 +136,15 @@ def test_text2sql_runs_its_queries_on_the_database_its_env_config_names(tmp_path
     assert episode.stop_reason == "done"
 
 
-def test_a_run_trains_on_text2sql(tmp_path):
+def train_on_text2sql(tmp_path, model, *extra: str) -> list[dict]:
     sql_database(tmp_path / "sql")
-    steps = train_two_steps(tmp_path, chat_model_dir(tmp_path / "model"), [SQL_ROW] * 4, "env=skyrl_gym",
-                            f"env.skyrl_gym.text2sql.db_path={tmp_path / 'sql'}", "reward.fn=none", "env.max_turns=2",
-                            "rollout.max_tokens=12", "env.max_tokens=320")  # fmt: skip
+    return train_two_steps(tmp_path, model, [SQL_ROW] * 4, "env=skyrl_gym",
+                           f"env.skyrl_gym.text2sql.db_path={tmp_path / 'sql'}", "reward.fn=none", "env.max_turns=2",
+                           "rollout.max_tokens=12", "env.max_tokens=320", *extra)  # fmt: skip
+
+
+def test_a_run_trains_on_text2sql(tmp_path):
+    steps = train_on_text2sql(tmp_path, chat_model_dir(tmp_path / "model"))
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["env/turns"] == 2 for s in steps)  # its "invalid action" observation, then the last turn
     assert all(s["reward/mean"] == -1.0 for s in steps)  # a random model writes no <solution>: SkyRL's -1
