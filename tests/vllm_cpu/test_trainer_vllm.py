@@ -91,3 +91,34 @@ def test_the_default_job_learns_with_vllm(tmp_path):
     accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r]
     assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
     assert max(r["rollout/abs_logp_diff"] for r in records if r["step"] > 0) < LOGP_DIFF_LIMIT
+
+
+@pytest.mark.parametrize("worker", ["inline", "process"])
+def test_merged_updates_of_the_adapted_modules_alone_keep_vllm_serving_the_whole_merge(trainer_setup, tmp_path,
+                                                                                      worker):  # fmt: skip
+    """After a first, full update the merged sync sends vLLM only the attention blocks the adapter changes (q_proj and
+    v_proj adapted; the block whole, for vLLM's fused q/k/v): version after version the engine generates what the
+    whole merged model gives, and each update after the first is smaller."""
+    trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="merged", rollout__worker=worker,
+                          model__lora__target_modules="[q_proj,v_proj]")  # fmt: skip
+    trainer.start_engine()
+    engine = trainer.engine
+    prompts = [e.prompt_ids for e in trainer.rollouts.examples[:4]]
+    sent = []
+    try:
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for name, p in trainer.model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(std=0.2, generator=torch.Generator().manual_seed(version * 100 + len(name)))
+            sent.append(trainer.weights.sync(version=version).bytes)
+            reference = hf_model(trainer_setup["model"], dict(iter_merged_weights(trainer.model)))
+            completions = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=6))
+            for prompt, c in zip(prompts, completions, strict=True):
+                expected, below_best = token_logprobs(reference, list(prompt), list(c.token_ids))
+                assert (below_best <= 1e-4).all()
+                assert (torch.tensor(c.logprobs, dtype=torch.double) - expected).abs().max() <= LOGPROB_TOLERANCE
+                assert c.version == version
+    finally:
+        engine.close()
+    assert sent[1] == sent[2] < sent[0]

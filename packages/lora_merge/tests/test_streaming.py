@@ -10,7 +10,7 @@ from merge_reference import assert_merged_close, ulp
 from peft import LoHaConfig, LoraConfig, get_peft_model
 from torch import nn
 
-from lorarl.lora_merge import iter_merged_weights, merged_weight_specs
+from lorarl.lora_merge import adapted_weight_names, iter_merged_weights, merged_weight_specs
 from lorarl.lora_merge._output import HAS_HUGE_PAGES, HUGE_PAGE_BYTES
 
 
@@ -225,3 +225,34 @@ def test_merged_weight_specs_list_exactly_what_is_streamed_without_merging(make_
     specs = merged_weight_specs(model, dtype=dtype)
     streamed = [(name, t.shape, t.dtype) for name, t in iter_merged_weights(model, dtype=dtype)]
     assert specs == streamed
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"target_modules": ["q_proj", "down_proj"]},
+        {"target_modules": ["q_proj", "lm_head"]},  # a tied head: the embeddings change with it
+        {"target_modules": ["v_proj"], "modules_to_save": ["lm_head"]},  # a module trained whole
+    ],
+)
+def test_the_adapted_names_are_what_merging_changes_and_include_streams_them_alone(make_qwen2, config):
+    """`adapted_weight_names` against peft's merge: every tensor `merge_and_unload` changes is named (and nothing the
+    adapter cannot change but the adapted layers' biases); `include` streams those names alone, each equal to the
+    whole stream's."""
+
+    model = lora(make_qwen2(tie="lm_head" in config["target_modules"]), r=4, **config)
+    names = adapted_weight_names(model)
+    merged = reference_state(model)
+    with model.disable_adapter():
+        base = dict(iter_merged_weights(model))
+    changed = [name for name, tensor in merged.items() if not torch.equal(tensor, base[name])]
+    assert changed
+    assert set(changed) <= set(names)
+    whole = config.get("modules_to_save", [])  # trained whole: named though training has not changed it yet
+    assert all(name in changed or name.endswith(".bias") or name.split(".")[0] in whole for name in names)
+    streamed = dict(iter_merged_weights(model))
+    subset = list(iter_merged_weights(model, include=set(names).__contains__))
+    assert [name for name, _ in subset] == names
+    assert all(torch.equal(tensor, streamed[name]) for name, tensor in subset)
+    specs = merged_weight_specs(model, include=set(names).__contains__)
+    assert [(name, tuple(shape)) for name, shape, _ in specs] == [(n, tuple(t.shape)) for n, t in subset]

@@ -85,3 +85,48 @@ def test_an_unknown_sync_kind_names_the_registered_ones(tiny_setup, tmp_path):
     with pytest.raises(ConfigError, match=r"unknown sync kind 'merged16': expected one of merged, adapter, factors, "
                                           r"base, auto.*did you mean 'merged'"):  # fmt: skip
         load_config(None, overrides, presets=PRESETS)
+
+
+def test_a_plugin_kind_whose_update_does_not_fit_the_engine_is_named_in_one_line(tiny_setup, tmp_path, capsys):
+    path = tmp_path / "misfit.py"
+    path.write_text(HALF_PRECISION_KIND.replace('"merged_fp16"', '"misfit"').replace(
+        "    model, half = source.model, torch.float16\n",
+        "    return Update('weights', version, {'no.such.weight': torch.zeros(2)})\n"))  # fmt: skip
+    try:
+        assert main(tiny_overrides(tiny_setup, tmp_path / "out", rollout__sync=f"{path}:merged_fp16")) == 2
+        output = capsys.readouterr().out.strip().splitlines()
+        assert output[-1].startswith(f"error: rollout.sync={path}:merged_fp16: its version 0 does not fit the engine")
+        assert "no.such.weight" in output[-1]
+        assert "Traceback" not in "\n".join(output)
+    finally:
+        SYNC_KINDS.remove("misfit")
+
+
+@pytest.mark.parametrize("worker", ["inline", "process"])
+def test_merged_updates_after_the_first_carry_the_adapted_modules_alone(tiny_setup, tmp_path, worker):
+    """After a first, full update the merged sync sends only the modules the adapter changes (q_proj's and v_proj's
+    attention blocks, whole, for an engine that fuses q/k/v): its bytes are theirs, and the engine then holds the
+    whole merged model, bit for bit (its checksum)."""
+    from peft.tuners.lora import LoraLayer
+
+    overrides = tiny_overrides(tiny_setup, tmp_path / "out", rollout__worker=worker, rollout__dtype="float32",
+                               model__lora__target_modules="[q_proj,v_proj]")  # fmt: skip
+    trainer = Trainer(load_config(None, overrides, presets=PRESETS))
+    trainer.start_engine()
+    try:
+        first = trainer.weights.sync(version=1)
+        with torch.no_grad():  # what training does to the adapter: its B factors no longer zero
+            for name, param in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1)
+        second = trainer.weights.sync(version=2)
+        merged = dict(iter_merged_weights(trainer.model, dtype=torch.float32))
+        adapted = {n.removeprefix("base_model.model.") for n, m in trainer.model.named_modules()
+                   if isinstance(m, LoraLayer)}  # fmt: skip
+        blocks = {name.rsplit(".", 1)[0] for name in adapted}  # model.layers.N.self_attn
+        changing = [n for n in merged if n.rsplit(".", 2)[0] in blocks]
+        assert first.bytes == sum(t.nbytes for t in merged.values())
+        assert second.bytes == sum(merged[n].nbytes for n in changing) < first.bytes
+        assert trainer.engine.checksum() == checksum(merged.items())
+    finally:
+        trainer.engine.close()

@@ -34,3 +34,37 @@ def end(name: str, port: int, rank: int) -> list:
         return [as_lists(channel.receive(update.form, update.version)) for update in updates(channel.forms)]
     finally:
         channel.close()
+
+
+def coverage_updates() -> list[Update]:
+    """Version 1: every weight of `Layers`; 2: one layer alone, a subset; 3: the same layer announced as the full
+    model (a receiver must refuse it: the others would be missing)."""
+    full = {f"layers.{i}.weight": torch.full((3, 2), float(i)) for i in range(3)}
+    one = {"layers.1.weight": torch.full((3, 2), 10.0)}
+    return [Update("weights", 1, full), Update("weights", 2, one, coverage="subset"), Update("weights", 3, one)]
+
+
+def into_module(name: str, port: int, rank: int) -> list:
+    """The sender sends `coverage_updates()`; each receiver loads them into a module of three layers: what each
+    load did (its version, or its error), and the weights it ends with."""
+    channel = open_channel(name, Link(port=port, receivers=RECEIVERS, timeout=20.0), rank)
+    try:
+        if rank == 0:
+            outcomes = []
+            for update in coverage_updates():
+                try:
+                    outcomes.append(channel.send(update).version)
+                except Exception as error:  # a receiver refused it
+                    outcomes.append(type(error).__name__)
+            return outcomes
+        module = torch.nn.Sequential()
+        module.layers = torch.nn.ModuleList(torch.nn.Linear(2, 3, bias=False) for _ in range(3))
+        outcomes = []
+        for update in coverage_updates():
+            try:
+                outcomes.append(channel.load_into(module, update.version))
+            except Exception as error:
+                outcomes.append(str(error).split(":")[0])
+        return [outcomes, [layer.weight[0, 0].item() for layer in module.layers]]
+    finally:
+        channel.close()

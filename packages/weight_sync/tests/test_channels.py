@@ -6,7 +6,8 @@ import threading
 from functools import partial
 
 import pytest
-from channel_workers import RECEIVERS, as_lists, end, updates
+import torch
+from channel_workers import RECEIVERS, as_lists, coverage_updates, end, into_module, updates
 from sync_processes import run_group
 
 from lorarl.weight_sync import CHANNELS, Link, TransferError, Update, open_channel
@@ -57,3 +58,31 @@ def test_what_a_channel_cannot_carry_is_refused_by_name():
     with pytest.raises(ValueError, match="a factors update is a mapping"):
         Update("factors", 1, iter([]))
     assert CHANNELS["ipc"].forms == ("weights", "factors")  # adapters go as files: over a wire or in-process
+
+
+@pytest.mark.parametrize("name", ["gloo", "local"])
+def test_a_subset_update_leaves_the_other_weights_and_a_full_one_must_hold_them_all(name):
+    """An update's coverage travels with it: a subset loads into a module that has more weights, the others kept;
+    the same tensors announced as the full model are refused before anything is applied."""
+    if name == "local":
+        link = CHANNELS["local"].new_link(1, timeout=5.0)
+        sender, receiver = open_channel("local", link, 0), open_channel("local", link, 1)
+        module = torch.nn.Sequential()
+        module.layers = torch.nn.ModuleList(torch.nn.Linear(2, 3, bias=False) for _ in range(3))
+        outcomes = []
+        for update in coverage_updates():
+            sender.send(update)
+            try:
+                outcomes.append(receiver.load_into(module, update.version))
+            except ValueError as error:
+                outcomes.append(str(error).split(":")[0])
+        received = [[outcomes, [layer.weight[0, 0].item() for layer in module.layers]]]
+    else:
+        results = run_group([partial(into_module, name)] * (1 + RECEIVERS), join=False)
+        assert [status for status, _ in results.values()] == ["ok"] * (1 + RECEIVERS), results
+        assert results[0][1][:2] == [1, 2]
+        received = [results[rank][1] for rank in range(1, 1 + RECEIVERS)]
+    for outcomes, weights in received:
+        assert outcomes[:2] == [1, 2]
+        assert "version 3 does not fit the target, nothing applied" in outcomes[2]
+        assert weights == [0.0, 10.0, 2.0]  # layer 1 from the subset, the others from version 1

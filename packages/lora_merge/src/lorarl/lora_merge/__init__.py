@@ -3,6 +3,7 @@
 from lorarl.lora_merge.merge import BACKENDS, available_backends, cpu_has_native_bf16, merge_lora, merge_lora_
 from lorarl.lora_merge.streaming import (
     LoraFactors,
+    adapted_weight_names,
     iter_merged_weights,
     lora_factors,
     merge_factors,
@@ -12,6 +13,7 @@ from lorarl.lora_merge.streaming import (
 __all__ = [
     "BACKENDS",
     "LoraFactors",
+    "adapted_weight_names",
     "available_backends",
     "cpu_has_native_bf16",
     "iter_merged_weights",

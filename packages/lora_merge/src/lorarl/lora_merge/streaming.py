@@ -15,7 +15,7 @@ copies, valid after their unit is freed again.
 """
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
@@ -46,17 +46,23 @@ def merge_factors(
 
 
 def iter_merged_weights(
-    model: nn.Module, *, adapter_name: str | None = None, dtype: torch.dtype | None = None, backend: str = "auto"
+    model: nn.Module,
+    *,
+    adapter_name: str | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    include: Callable[[str], bool] | None = None,
 ) -> NamedTensors:
     """Stream `(name, tensor)` of the model with its LoRA adapter merged, in `state_dict()` order.
 
     `model`: a `peft.PeftModel`, a peft `LoraModel`, or a module with LoRA layers injected (a plain model without
     any also works: its state dict is streamed as is; inside peft's `disable_adapter()` the base weights are).
     `adapter_name`: merge this adapter instead of the active one(s). `dtype`: cast floating tensors to it (merged
-    weights are rounded once, straight to `dtype`).
+    weights are rounded once, straight to `dtype`). `include`: yield only the names it accepts (the others are neither
+    merged nor cast: an update of the layers an adapter changes, `adapted_weight_names`).
     Raises `NotImplementedError` naming the layer for DoRA and other LoRA variants, and for non-LoRA tuner layers.
     """
-    merger = _Merger(model, adapter_name, dtype, backend)
+    merger = _Merger(model, adapter_name, dtype, backend, include=include)
     with ExitStack() as stack:  # FSDP units above the base model (e.g. the sharded PeftModel root) stay gathered
         for ancestor in _fsdp_ancestors(merger.fsdp_units, merger.base):
             stack.enter_context(_gathered(ancestor, merger))
@@ -64,12 +70,27 @@ def iter_merged_weights(
 
 
 def merged_weight_specs(
-    model: nn.Module, *, adapter_name: str | None = None, dtype: torch.dtype | None = None
+    model: nn.Module,
+    *,
+    adapter_name: str | None = None,
+    dtype: torch.dtype | None = None,
+    include: Callable[[str], bool] | None = None,
 ) -> list[tuple[str, torch.Size, torch.dtype]]:
     """`(name, shape, dtype)` of everything `iter_merged_weights` will yield, in order, without merging anything
     (e.g. the manifest a weight transfer announces before it streams)."""
-    merger = _Merger(model, adapter_name, dtype, "torch", specs_only=True)
+    merger = _Merger(model, adapter_name, dtype, "torch", specs_only=True, include=include)
     return [(name, t.shape, t.dtype) for name, t in _walk(merger.base, "", merger)]
+
+
+def adapted_weight_names(model: nn.Module, *, adapter_name: str | None = None) -> list[str]:
+    """The names `iter_merged_weights` yields that an adapter changes, in order: the weights LoRA layers adapt (and
+    their biases, and a weight tied to one), and every tensor of a module trained whole (`modules_to_save`). The rest
+    of the merged model is the base's, whatever the adapter learns."""
+    merger = _Merger(model, adapter_name, None, "torch", specs_only=True)
+    merger.adapted = []
+    for _ in _walk(merger.base, "", merger):
+        pass
+    return merger.adapted
 
 
 def lora_factors(model: nn.Module, *, adapter_name: str | None = None) -> dict[str, LoraFactors]:
@@ -99,10 +120,11 @@ def lora_factors(model: nn.Module, *, adapter_name: str | None = None) -> dict[s
 class _Merger:
     """What to merge and how; shared by the recursive walk. With `specs_only`, tensors are shape-only (meta)."""
 
-    def __init__(
-        self, model: nn.Module, adapter_name: str | None, dtype: torch.dtype | None, backend: str, specs_only=False
-    ):
+    def __init__(self, model: nn.Module, adapter_name: str | None, dtype: torch.dtype | None, backend: str,
+                 specs_only=False, include: Callable[[str], bool] | None = None):  # fmt: skip
         self.adapter_name = adapter_name
+        self.include = include  # the names to yield (None: all)
+        self.adapted: list[str] | None = None  # the names an adapter changes, recorded by `adapted_weight_names`
         self.dtype = dtype
         self.backend = backend
         self.specs_only = specs_only
@@ -115,6 +137,10 @@ class _Merger:
         self.merged_elsewhere = {
             id(layer.get_base_layer().weight): (name, layer) for name, layer in _lora_layers(self.base)
         }
+
+    def note_adapted(self, name: str) -> None:
+        if self.adapted is not None and name not in self.adapted:
+            self.adapted.append(name)
 
     def plain(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -210,7 +236,9 @@ def _walk_peft_layer(module: nn.Module, prefix: str, merger: _Merger, peft: "_Pe
     """A module peft put in the model: what `merge_and_unload` leaves in its place, LoRA merged."""
     name = prefix.removesuffix(".")
     if isinstance(module, peft.modules_to_save_wrapper):
-        yield from _walk(_module_to_save(module, merger.adapter_name), prefix, merger)
+        for named in _walk(_module_to_save(module, merger.adapter_name), prefix, merger):
+            merger.note_adapted(named[0])
+            yield named
         return
     if type(module) not in (peft.lora_linear, peft.lora_embedding):
         raise NotImplementedError(
@@ -218,10 +246,10 @@ def _walk_peft_layer(module: nn.Module, prefix: str, merger: _Merger, peft: "_Pe
             "layer; lorarl.lora_merge cannot merge it"
         )
     base = module.get_base_layer()
-    replaced = {id(base.weight): merger.merged_weight(name, module)}
+    replaced = {id(base.weight): functools.partial(merger.merged_weight, name, module)}
     bias = getattr(base, "bias", None)
     if bias is not None:
-        replaced[id(bias)] = merger.merged_bias(name, module)
+        replaced[id(bias)] = functools.partial(merger.merged_bias, name, module)
     yield from _own_tensors(base, prefix, merger, replaced)
     yield from _walk_children(base, prefix, merger)
 
@@ -232,19 +260,29 @@ def _walk_children(module: nn.Module, prefix: str, merger: _Merger) -> NamedTens
             yield from _walk(child, f"{prefix}{child_name}.", merger)
 
 
-def _own_tensors(module: nn.Module, prefix: str, merger: _Merger, replaced: dict[int, torch.Tensor]) -> NamedTensors:
+def _own_tensors(module: nn.Module, prefix: str, merger: _Merger, replaced: dict[int, Callable]) -> NamedTensors:
+    """The module's own parameters and persistent buffers: merged where `replaced` (id -> what makes the merged
+    tensor) or a LoRA-merged weight's tied partner, as they are otherwise; only those `merger.include` accepts."""
     for key, param in module._parameters.items():
         if param is None:
             continue
+        name = prefix + key
+        if merger.include is not None and not merger.include(name):
+            continue
         if id(param) in replaced:
-            yield prefix + key, replaced.pop(id(param))
+            merger.note_adapted(name)
+            yield name, replaced.pop(id(param))()
         elif id(param) in merger.merged_elsewhere:  # tied to a LoRA-merged weight: merge_and_unload changes both
-            yield prefix + key, merger.merged_weight(*merger.merged_elsewhere[id(param)])
+            merger.note_adapted(name)
+            yield name, merger.merged_weight(*merger.merged_elsewhere[id(param)])
         else:
-            yield prefix + key, merger.plain(param)
+            yield name, merger.plain(param)
     for key, buffer in module._buffers.items():
-        if buffer is not None and key not in module._non_persistent_buffers_set:
-            yield prefix + key, merger.plain(buffer)
+        name = prefix + key
+        if buffer is None or key in module._non_persistent_buffers_set:
+            continue
+        if merger.include is None or merger.include(name):
+            yield name, merger.plain(buffer)
 
 
 class _PeftTypes(NamedTuple):

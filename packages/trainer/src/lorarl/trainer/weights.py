@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lorarl.lora_merge import iter_merged_weights, lora_factors, merged_weight_specs
+from lorarl.lora_merge import adapted_weight_names, iter_merged_weights, lora_factors, merged_weight_specs
 from lorarl.trainer.engines import EngineError, RolloutEngine
 from lorarl.trainer.models import adapters
 from lorarl.trainer.parallel import DataParallel, full_state_dict
@@ -21,18 +21,34 @@ from lorarl.weight_sync.factors import factor_set
 @dataclass
 class SyncSource:
     """What a sync kind makes an update from: the trainer's peft `model`, the engine's `dtype`, the data-parallel
-    group (`dp`, None: one rank), and the kinds the engine has received so far (`sent`)."""
+    group (`dp`, None: one rank), the kinds the engine has received so far (`sent`), and whether it keeps its weights
+    between updates (`keeps_weights`: an engine asleep at vLLM's level 2 frees them)."""
 
     model: nn.Module
     dtype: torch.dtype
     dp: DataParallel | None = None
     sent: set[str] = field(default_factory=set)
+    keeps_weights: bool = True
+
+    def changing(self) -> Callable[[str], bool] | None:
+        """After a first update, what the next ones need to cover: the weights an adapter changes, with every tensor
+        of their modules (an engine that fuses layers — vLLM's q/k/v with their biases, gate/up — reloads a fused
+        layer whole). None: everything (the engine's first update, an engine that frees its weights, full
+        fine-tuning, or data-parallel ranks, whose streams must take part in the same gathers)."""
+        if not self.sent or not self.keeps_weights or self.dp is not None or not hasattr(self.model, "peft_config"):
+            return None
+        modules = {name.rsplit(".", 1)[0] for name in adapted_weight_names(self.model)}
+        parents = {name.rsplit(".", 1)[0] for name in modules}
+        return lambda name: name.rsplit(".", 2)[0] in parents or name.rsplit(".", 1)[0] in modules
 
 
 def merged(source: SyncSource, version: int) -> Update:
-    """The merged weights W + s·B@A in the engine's dtype, streamed layer by layer (the base untouched)."""
-    model, dtype = source.model, source.dtype
-    return Update("weights", version, iter_merged_weights(model, dtype=dtype), merged_weight_specs(model, dtype=dtype))
+    """The merged weights W + s·B@A in the engine's dtype, streamed layer by layer (the base untouched); after the
+    first update, only the layers the adapter changes (`SyncSource.changing`)."""
+    model, dtype, include = source.model, source.dtype, source.changing()
+    return Update("weights", version, iter_merged_weights(model, dtype=dtype, include=include),
+                  merged_weight_specs(model, dtype=dtype, include=include),
+                  coverage="full" if include is None else "subset")  # fmt: skip
 
 
 def base(source: SyncSource, version: int) -> Update:
@@ -79,7 +95,7 @@ class WeightSync:
     def __init__(self, model: nn.Module, engine: RolloutEngine | None, *, kind: str, dtype: torch.dtype,
                  dp: DataParallel | None, version: int):  # fmt: skip
         self.engine = engine  # None: a data-parallel rank other than 0
-        self.source = SyncSource(model, dtype, dp)
+        self.source = SyncSource(model, dtype, dp, keeps_weights=engine is None or engine.capabilities.keeps_weights)
         self.version = version
         self.kind = self._checked(SYNC_KINDS[kind])
 
@@ -103,7 +119,14 @@ class WeightSync:
                 pass
             stats = None
         else:
-            stats = self.engine.sync(update)
+            try:
+                stats = self.engine.sync(update)
+            except Exception as error:
+                if isinstance(kind.target, str):  # a built-in kind's failure is lorarl's: its traceback says where
+                    raise
+                last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+                raise EngineError(f"rollout.sync={kind.origin}: its version {version} does not fit the engine "
+                                  f"({last})") from None  # fmt: skip
             if self.engine.version != version:  # the one check, for every engine
                 raise EngineError(f"the engine reports version {self.engine.version} after the {kind.name} sync of "
                                   f"version {version}")  # fmt: skip

@@ -88,7 +88,7 @@ class Channel(ABC):
         update = self.receive("weights", version)
         stream = iter(update.named())
         try:
-            return copy_into(module, stream, version=version, manifest=update.specs).version
+            return copy_into(module, stream, version=version, manifest=update.specs, strict=update.full).version
         finally:
             getattr(stream, "close", lambda: None)()  # a stream left early drains and tells the sender
 
@@ -157,7 +157,8 @@ class _GroupChannel(Channel):
     def _send(self, update: Update) -> SyncStats:
         if update.form == "adapter":
             return self.sender.send_adapter(update.tensors, update.config, version=update.version)
-        return self.sender.send(update.tensors, version=update.version, manifest=update.manifest)
+        return self.sender.send(update.tensors, version=update.version, manifest=update.manifest,
+                                coverage=update.coverage)  # fmt: skip
 
     def receive(self, form: str, version: int) -> Update:
         if form == "adapter":

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the header's coverage
 ALIGN = 64
 CONTROL_BYTES = 64 << 10
 INLINE_HEADER_BYTES = CONTROL_BYTES - 16
@@ -111,6 +111,7 @@ class TransferHeader:
     verify: bool
     manifest: list[TensorSpec] | None = None
     adapter_config: dict | None = None
+    coverage: str = "full"  # `full`: every weight of the receiver's model; `subset`: some (the others kept)
     protocol: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
@@ -122,6 +123,7 @@ class TransferHeader:
             "verify": self.verify,
             "manifest": None if self.manifest is None else [[s.name, s.dtype, s.shape] for s in self.manifest],
             "adapter_config": self.adapter_config,
+            "coverage": self.coverage,
         }
         return json.dumps(body, separators=(",", ":")).encode()
 

@@ -121,20 +121,22 @@ class BucketReceiver:
         return tensors, transfer.header.adapter_config or {}, transfer.header.version
 
     @gc_paused()
-    def load_into(self, target: nn.Module | object, *, strict: bool = True) -> int:
+    def load_into(self, target: nn.Module | object, *, strict: bool | None = None) -> int:
         """Receive one transfer of weights into `target` and return its version.
 
         A target with vLLM's `load_weights(iterable)` (a vLLM model: it maps checkpoint names onto its fused,
         sharded parameters) is given owned tensors, so it may keep them. Any other `nn.Module`: each tensor is copied
         into the parameter or buffer of that name (large ones are received straight into it); unknown names, shape or
-        dtype mismatches — and, with `strict`, names the transfer lacks — raise before anything is applied (checked
-        against the sender's manifest). A failure part-way raises `PartialLoadError` naming what was already applied;
-        the version is then not reported, and the sender learns of the failure.
+        dtype mismatches — and, with `strict` (by default: when the sender announced a full update), names the
+        transfer lacks — raise before anything is applied (checked against the sender's manifest). A failure
+        part-way raises `PartialLoadError` naming what was already applied; the version is then not reported, and the
+        sender learns of the failure.
         """
         transfer = self._start("weights")
         if not callable(getattr(target, "load_weights", None)):
             if isinstance(target, nn.Module):
-                return self._load_module(transfer, target, strict)
+                return self._load_module(transfer, target, transfer.header.coverage == "full" if strict is None
+                                         else strict)  # fmt: skip
             self._fail(transfer, TypeError("target must be an nn.Module or have a load_weights(iterable) method"))
         applied: list[str] = []
 

@@ -74,13 +74,19 @@ class BucketSender:
 
     @gc_paused()
     def send(
-        self, named_tensors: NamedTensors, *, version: int, manifest: Sequence[TensorSpec | tuple] | None = None
+        self,
+        named_tensors: NamedTensors,
+        *,
+        version: int,
+        manifest: Sequence[TensorSpec | tuple] | None = None,
+        coverage: str = "full",
     ) -> SyncStats:
         """Send every `(name, tensor)` as transfer `version`; returns once all receivers applied it.
 
         A Mapping or a list gives the manifest by itself; for a lazy iterator pass `manifest` (the names, dtypes and
         shapes it will yield, in order: `TensorSpec`s or `(name, shape, torch.dtype)` tuples, e.g. from
         `lora_merge.merged_weight_specs`) so receivers can validate the whole transfer before applying anything.
+        `coverage`: `full` (every weight of the receivers' model: one that lacks any refuses it) or `subset`.
         Raises `TransferError` if a receiver died, stalled past the timeout, or failed to apply the transfer.
         """
         pairs = pairs_of(named_tensors)
@@ -88,7 +94,7 @@ class BucketSender:
         if own_manifest:
             manifest = [TensorSpec.of(name, tensor) for name, tensor in pairs]
         manifest = [TensorSpec.coerce(spec) for spec in manifest] if manifest is not None else None
-        header = TransferHeader(version, "weights", self.bucket_bytes, self.verify, manifest)
+        header = TransferHeader(version, "weights", self.bucket_bytes, self.verify, manifest, coverage=coverage)
         return self._transfer(header, pairs, trusted_manifest=own_manifest)
 
     @gc_paused()

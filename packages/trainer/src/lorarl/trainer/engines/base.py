@@ -64,6 +64,7 @@ class Capabilities:
     sleep: bool = False  # `sleep()` frees its device while the trainer trains; the next sync wakes it
     background: bool = False  # `submit()` returns at once and generates beside the caller (`rollout.overlap`)
     checksum: bool = False  # `checksum()` digests weights laid out as the trainer's merged weights
+    keeps_weights: bool = True  # holds its weights between updates: one may cover only the layers that changed
 
 
 class RolloutEngine(Protocol):

@@ -82,7 +82,8 @@ class HFWorker(Worker):
         started = time.perf_counter()
         if update.form == "weights":
             self.drop_adapter()
-            stats = copy_into(self.model, update.named(), version=update.version, manifest=update.specs)
+            stats = copy_into(self.model, update.named(), version=update.version, manifest=update.specs,
+                              strict=update.full)  # fmt: skip
         else:
             tensors = update.tensors
             if update.form == "adapter":

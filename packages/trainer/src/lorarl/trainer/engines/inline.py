@@ -12,7 +12,8 @@ from lorarl.weight_sync import SyncStats, Update
 class InlineEngine(GeneratesWhenAsked):
     def __init__(self, worker: Worker):
         self.worker = worker
-        self.capabilities = Capabilities(sleep=worker.capabilities.sleep, checksum=worker.capabilities.checksum)
+        own = worker.capabilities
+        self.capabilities = Capabilities(sleep=own.sleep, checksum=own.checksum, keeps_weights=own.keeps_weights)
 
     @property
     def version(self) -> int:

@@ -261,7 +261,9 @@ class VllmWorker(Worker):
             os.environ["CUDA_VISIBLE_DEVICES"] = settings.devices
         self.settings = settings
         self.serving = VllmServing(start_llm(settings))
-        self.capabilities = Capabilities(sleep=settings.inline and settings.on_gpu)
+        sleeps = settings.inline and settings.on_gpu
+        # asleep at level 2 it frees its weights: each update must then bring them all
+        self.capabilities = Capabilities(sleep=sleeps, keeps_weights=not sleeps or settings.keeps_weights_asleep)
         self.transfer: VllmWeightTransfer | None = None  # inline: the trainer's end, opened with the first update
         self.asleep = False
 
