@@ -1,4 +1,6 @@
-"""The three weight-sync modes side by side: merged weights, the adapter alone, the LoRA factors alone.
+"""The weight-sync modes side by side: merged weights (after the first update, the modules the adapter changes alone),
+merged weights whole at every update (`merged_full`, the sync kind in `plugins/merged_full.py`: what `merged` sent
+before), the adapter alone, the LoRA factors alone.
 
 For each case (a model shape, random weights saved as a bf16 checkpoint, as real ones are), each engine (lorarl's HF
 engine and vLLM's CPU build) and each `rollout.sync` mode, a trainer in a process of its own (the model in float32,
@@ -30,7 +32,8 @@ from pathlib import Path
 
 from step_vs_trl import ALPHA, CASES, GB, GENERATIONS, RANK, Case, make_model, run_measured, tree_rss
 
-MODES = ("merged", "adapter", "factors")
+MODES = ("merged", "merged_full", "adapter", "factors")
+SYNC = {"merged_full": Path(__file__).resolve().parent / "plugins" / "merged_full.py:merged_full"}  # a plugin kind
 SHAPES = {
     "smollm2-135m-shaped": CASES["smollm2-135m-shaped"],
     "qwen2-0.5b-shaped": Case("qwen2-0.5b-shaped", 8, 16, 0, 0, 0.0, {
@@ -58,7 +61,7 @@ def run_mode(engine: str, mode: str, case: Case, model: Path, output: Path, sync
 
     trainer = Trainer(load_config(overrides=[
         f"model.path={model}", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", f"rollout.engine={engine}",
-        f"rollout.sync={mode}", "rollout.worker=process", f"data.batch_size={case.prompts}",
+        f"rollout.sync={SYNC.get(mode, mode)}", "rollout.worker=process", f"data.batch_size={case.prompts}",
         f"rollout.n={GENERATIONS}", f"rollout.max_tokens={case.max_tokens}", f"trainer.output_dir={output}",
     ]))  # fmt: skip
     trainer.start_engine()
@@ -132,7 +135,9 @@ def measure(case: Case, engine: str, model: Path, workdir: Path, *, syncs: int, 
             "engine_peak_rss_gb": max(r["engine_peak_rss"] for r in mode_runs) / GB,
         }  # fmt: skip
     merged = out["merged"]
-    for mode in ("adapter", "factors"):
+    merged["bytes_vs_full"] = merged["bytes"] / out["merged_full"]["bytes"]
+    merged["sync_s_vs_full"] = merged["sync_s"] / out["merged_full"]["sync_s"]
+    for mode in ("merged_full", "adapter", "factors"):
         figures = out[mode]
         figures["bytes_vs_merged"] = figures["bytes"] / merged["bytes"]
         figures["sync_s_vs_merged"] = figures["sync_s"] / merged["sync_s"]
