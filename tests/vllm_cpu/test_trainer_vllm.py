@@ -37,33 +37,46 @@ def test_the_served_adapter_generates_what_the_merged_weights_generate(trainer_s
     assert [a.token_ids for a in again] == [a.token_ids for a in served]
 
 
-def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds_it(trainer_setup, tmp_path):
-    trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="adapter")
+def serve_versions(trainer: Trainer, model_dir: str, after_sync=None) -> list[int]:
+    """Versions 1, 2, 3 of new LoRA weights synced to the trainer's engine, each then generating what transformers
+    gives for the whole merged model (greedy tokens, log-probs); `after_sync(version)` looks at the engine after each.
+    The bytes of each sync."""
     trainer.start_engine()
     engine = trainer.engine
-    assert isinstance(engine.worker, VllmWorker)  # inline
     prompts = [e.prompt_ids for e in trainer.rollouts.examples[:4]]
-    requests = []
+    sent = []
     try:
         for version in (1, 2, 3):
             with torch.no_grad():
                 for name, p in trainer.model.named_parameters():
                     if "lora_B" in name:
                         p.normal_(std=0.2, generator=torch.Generator().manual_seed(version * 100 + len(name)))
-            trainer.weights.sync(version=version)
-            requests.append(engine.worker.serving.lora_request)
-            reference = hf_model(trainer_setup["model"], dict(iter_merged_weights(trainer.model)))
+            sent.append(trainer.weights.sync(version=version).bytes)
+            if after_sync is not None:
+                after_sync(version)
+            reference = hf_model(model_dir, dict(iter_merged_weights(trainer.model)))
             completions = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=6))
             for prompt, c in zip(prompts, completions, strict=True):
                 expected, below_best = token_logprobs(reference, list(prompt), list(c.token_ids))
                 assert (below_best <= 1e-4).all()
                 assert (torch.tensor(c.logprobs, dtype=torch.double) - expected).abs().max() <= LOGPROB_TOLERANCE
                 assert c.version == version
-            assert [p.name for p in engine.worker.serving.adapter_dir.iterdir()] == [
-                f"v{version}"
-            ]  # older ones removed
     finally:
         engine.close()
+    return sent
+
+
+def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds_it(trainer_setup, tmp_path):
+    trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="adapter")
+    requests = []
+
+    def served(version: int) -> None:
+        worker = trainer.engine.worker
+        assert isinstance(worker, VllmWorker)  # inline
+        requests.append(worker.serving.lora_request)
+        assert [p.name for p in worker.serving.adapter_dir.iterdir()] == [f"v{version}"]  # older ones removed
+
+    serve_versions(trainer, trainer_setup["model"], served)
     assert len({r.lora_int_id for r in requests}) == 3  # a fresh id each: vLLM would serve a reused id's old adapter
 
 
@@ -101,24 +114,5 @@ def test_merged_updates_of_the_adapted_modules_alone_keep_vllm_serving_the_whole
     whole merged model gives, and each update after the first is smaller."""
     trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="merged", rollout__worker=worker,
                           model__lora__target_modules="[q_proj,v_proj]")  # fmt: skip
-    trainer.start_engine()
-    engine = trainer.engine
-    prompts = [e.prompt_ids for e in trainer.rollouts.examples[:4]]
-    sent = []
-    try:
-        for version in (1, 2, 3):
-            with torch.no_grad():
-                for name, p in trainer.model.named_parameters():
-                    if "lora_B" in name:
-                        p.normal_(std=0.2, generator=torch.Generator().manual_seed(version * 100 + len(name)))
-            sent.append(trainer.weights.sync(version=version).bytes)
-            reference = hf_model(trainer_setup["model"], dict(iter_merged_weights(trainer.model)))
-            completions = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=6))
-            for prompt, c in zip(prompts, completions, strict=True):
-                expected, below_best = token_logprobs(reference, list(prompt), list(c.token_ids))
-                assert (below_best <= 1e-4).all()
-                assert (torch.tensor(c.logprobs, dtype=torch.double) - expected).abs().max() <= LOGPROB_TOLERANCE
-                assert c.version == version
-    finally:
-        engine.close()
+    sent = serve_versions(trainer, trainer_setup["model"])
     assert sent[1] == sent[2] < sent[0]
