@@ -259,3 +259,57 @@ def test_a_run_trains_on_trl_style_data_environments_and_rewards(tmp_path):
     steps = train_on_trl_style(tmp_path, chat_model_dir(tmp_path / "model"))
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["rollout/abs_logp_diff"] < 0.02 for s in steps)
+
+
+# TRL's environment that owns its data (TRL's `train_dataset=None`): `reset` samples the task and returns the prompt,
+# `get_reward` scores the episode from the environment's state
+SELF_SAMPLING = '''
+import random
+
+
+class CountingEnv:
+    def reset(self, **kwargs) -> str | None:
+        self.seen = kwargs
+        self.counter, self.target = 0, random.randint(1, 6)
+        return f"Increment the counter by {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        self.counter += step
+        return self.counter
+'''
+
+
+def test_an_environment_that_makes_its_own_tasks_trains_without_data(tmp_path, capsys):
+    """`data.train_files=[]`: rows of an empty prompt, each episode's `reset` filling it in, `get_reward` the
+    return (`reward.fn=none`); without such an environment, empty data is refused in one line."""
+    from lorarl.trainer.cli import main
+
+    path, out = tmp_path / "counting.py", tmp_path / "out"
+    path.write_text(SELF_SAMPLING)
+    settings = [f"model.path={chat_model_dir(tmp_path / 'model')}", "data.train_files=[]", "data.val_files=[]",
+                "env.tool_format=hermes", "reward.fn=none", "data.batch_size=4", "rollout.n=2",
+                "rollout.max_tokens=16", "env.max_tokens=48", "trainer.steps=2", "trainer.eval_every=2"]  # fmt: skip
+    assert main([*settings, f"env={path}:CountingEnv", f"trainer.output_dir={out}"]) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert "val/accuracy" in steps[-1]
+    config = load_config(None, [f"env={path}:CountingEnv", "env.tool_format=hermes"])
+    tok = qwen2_style_tokenizer()
+    run = EpisodeRunner(config.env, tok, eos=tok.eos_token_id)
+    (episode,) = run.start([Example([{"role": "user", "content": ""}], None, (), {}, "row 1")], 1)
+    assert episode.env.messages[0]["content"].startswith("Increment the counter by ")  # the prompt reset gave
+    assert episode.env.instance.seen == {"prompt": [{"role": "user", "content": ""}]}  # TRL's placeholder row
+    capsys.readouterr()
+    assert main([*settings, "env=tools", f"trainer.output_dir={tmp_path / 'refused'}"]) == 2
+    assert "data.train_files is empty: name the data, or an environment that makes its own tasks" in (
+        capsys.readouterr().out
+    )

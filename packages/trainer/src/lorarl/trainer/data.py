@@ -238,12 +238,22 @@ def prompt_messages(prompt, system_prompt: str | None, where: str) -> list[dict]
     return messages
 
 
-def load_examples(role: str, tokenizer, section) -> tuple[list[Example], int]:
+def load_examples(role: str, tokenizer, section, *, env_owns_data: bool = False) -> tuple[list[Example], int]:
     """The examples of `data.<role>_files` ("train" or "val") by the `data` section's keys (`DataSection`), and how
-    many were too long."""
+    many were too long. No files (`[]`) with an environment that makes its own tasks (`env_owns_data`: a TRL
+    environment whose `reset` returns the prompt, TRL's `train_dataset=None`): `data.batch_size` rows of an empty
+    prompt, each episode's `reset` filling it in."""
     files = getattr(section, f"{role}_files")
-    rows = read_rows(files, default_file=f"{role}.jsonl", split=getattr(section, f"{role}_split"),
-                     config=section.dataset_config, key=f"data.{role}_files")  # fmt: skip
+    if not files:
+        if not env_owns_data:
+            raise TrainerError(f"data.{role}_files is empty: name the data, or an environment that makes its own tasks "
+                               "(a TRL environment_factory class whose reset returns the prompt)")  # fmt: skip
+        placeholder = {"prompt": [{"role": "user", "content": ""}]}  # TRL's own for an environment's data
+        rows = [Row(f"data.{role}_files=[] (the environment's reset gives the prompt) row {i}", dict(placeholder))
+                for i in range(1, section.batch_size + 1)]  # fmt: skip
+    else:
+        rows = read_rows(files, default_file=f"{role}.jsonl", split=getattr(section, f"{role}_split"),
+                         config=section.dataset_config, key=f"data.{role}_files")  # fmt: skip
     examples, dropped = build_examples(rows, tokenizer, prompt_key=section.prompt_key, answer_key=section.answer_key,
                                        max_prompt_tokens=section.max_prompt_tokens, chat_template=section.chat_template,
                                        system_prompt=section.system_prompt)  # fmt: skip

@@ -70,14 +70,15 @@ class Trainer:
         self.threads = threads.configure(t.threads)  # from here: loading the model counts as its first busy time
         self.tokenizer = load_tokenizer(resolve_model_path(config.model.path, config.model.gguf_file,
                                                            config.model.dtype, config.model.revision))  # fmt: skip
-        self.train_set, dropped = data.load_examples("train", self.tokenizer, config.data)
-        self.val_set, val_dropped = data.load_examples("val", self.tokenizer, config.data)
+        self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
+        owns = self.episodes is not None and self.episodes.owns_data
+        self.train_set, dropped = data.load_examples("train", self.tokenizer, config.data, env_owns_data=owns)
+        self.val_set, val_dropped = data.load_examples("val", self.tokenizer, config.data, env_owns_data=owns)
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
         self.reward = scoring.Rewards(config.reward, t.steps)
         self.reward.check_answers(self.train_set + self.val_set)
-        self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
         self.dp, self.device = setup_data_parallel(resolve_device(t.device))
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         uses_critic = algorithms.ADVANTAGES[config.algorithm.adv_estimator].needs_values

@@ -141,7 +141,8 @@ class Rewards:
             keys = ", ".join(map(repr, AUTO_ANSWER))
             raise TrainerError(f"{missing.where}: no answer ({keys}; it has {sorted(missing.columns)}), which "
                                f"reward.fn={reading[0]!r} takes: set data.answer_key, or use a reward that reads the "
-                               "columns it names (TRL's format)")  # fmt: skip
+                               "columns it names (TRL's format), or reward.fn=none (an environment's own reward "
+                               "alone)")  # fmt: skip
 
     def at_step(self, step: int) -> None:
         """The responses scored next are the rollouts of `step` (TRL's `trainer_state`: `step - 1` updates done)."""

@@ -91,6 +91,7 @@ class Environment:
         raise NotImplementedError
 
     steps_truncated: bool = False  # whether an action cut at a length is stepped too (SkyRL's generator does)
+    owns_data: bool = False  # whether it can make its episodes' tasks itself, from rows of an empty prompt
 
     def final_reward(self) -> float:
         """A reward for the whole episode, read once it has ended, however it ended (TRL's `get_reward`)."""

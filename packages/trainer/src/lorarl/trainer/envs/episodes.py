@@ -89,6 +89,7 @@ class EpisodeRunner:
         self.max_prompt_tokens = max_prompt_tokens  # an engine's context is sized by it and env.max_tokens
         self.environment = entry.environment
         self.setup = EnvSetup(tokenizer, section, entry.settings_in(section), load_tools(section.tools), system_prompt)
+        self.owns_data = self.environment.owns_data  # its reset can make the task (data.train_files=[])
 
     def start(self, examples: list, n: int) -> list[Episode]:
         """`n` episodes per example, reset."""

@@ -57,7 +57,10 @@ def tools_of(instance: object) -> list[Tool]:
 
 
 class FactoryEnvironment(ToolEnvironment):
-    """One episode of a TRL environment: its instance, made and reset when the episode starts."""
+    """One episode of a TRL environment: its instance, made and reset when the episode starts. Without data
+    (`data.train_files=[]`, TRL's `train_dataset=None`) each row is an empty prompt that `reset` fills in."""
+
+    owns_data = True
 
     factories: dict[str | None, Callable[[], object]]  # by name (None: the one class of a single factory)
     methods: dict[str | None, tuple[Tool, ...]]  # each class's tools, bound to its probed instance
