@@ -162,7 +162,14 @@ class DownEnv(CounterEnv):
         return self.counter
 
 
-ENVIRONMENTS = {"up": CounterEnv, "down": DownEnv}
+class FreeEnv(CounterEnv):
+    def reset(self, **kwargs) -> str | None:
+        self.seen = kwargs
+        self.counter, self.target = 0, kwargs["target"]
+        return f"Reach {self.target}."
+
+
+ENVIRONMENTS = {"up": CounterEnv, "down": DownEnv, "free": FreeEnv}
 SEEN = {}
 
 
@@ -225,6 +232,15 @@ def test_a_dict_of_trl_environments_is_routed_by_each_row(tmp_path):
     assert down.env.instance.seen == {"prompt": "Reach 1.", "target": 1}  # `environment` is not passed to reset
     with pytest.raises(TrainerError, match=r"row 9: environment='sideways' is not one of the environments"):
         run.start([Example("Reach 1.", None, (), {"target": 1, "environment": "sideways"}, "row 9")], 1)
+    # a dataset that only routes (TRL's multi-environment example): no prompt column; reset gives the prompt
+    from lorarl.trainer.data import PLACEHOLDER, Row, build_examples
+
+    (routing,), _ = build_examples([Row("row 1", {"environment": "free", "target": 2})], tok, prompt_key="prompt",
+                                   answer_key="auto", max_prompt_tokens=512, chat_template=True,
+                                   default_prompt=list(PLACEHOLDER))  # fmt: skip
+    (routed,) = run.start([routing], 1)
+    assert routed.env.instance.seen == {"target": 2}  # neither the routing field nor a prompt the row did not have
+    assert routed.env.messages[0]["content"] == "Reach 2."  # the placeholder's empty content, and what reset gave
 
 
 def test_a_reward_that_takes_the_answer_refuses_data_without_one(tmp_path, capsys):

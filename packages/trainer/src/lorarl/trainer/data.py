@@ -21,6 +21,7 @@ from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.hub import dataset_files, is_hub_id
 
+PLACEHOLDER = ({"role": "user", "content": ""},)  # TRL's prompt where an environment owns the data
 AUTO_ANSWER = ("answer", "reward_model.ground_truth", "reward_spec.ground_truth")  # data.answer_key=auto's, in order
 
 
@@ -37,11 +38,11 @@ class Example:
     prompt_ids: tuple[int, ...]
     columns: dict = field(default_factory=dict)  # the row's other fields (data_source, extra_info, ...)
     where: str = ""  # its file and line, for error messages
-    prompt_key: str = "prompt"  # the prompt's field in the row
+    prompt_key: str | None = "prompt"  # the prompt's field in the row (None: the row had none; a default stands in)
 
     def row(self) -> dict:
-        """The data row as it was read: the prompt under its own field, and every other field."""
-        return {self.prompt_key: self.prompt, **self.columns}
+        """The data row as it was read: the prompt under its own field (if it had one), and every other field."""
+        return {**({self.prompt_key: self.prompt} if self.prompt_key is not None else {}), **self.columns}
 
 
 def read_rows(files: list[str], *, default_file: str, split: str = "train", config: str | None = None,
@@ -171,18 +172,22 @@ def lookup(fields: dict, key: str):
 
 
 def build_examples(rows: list[Row], tokenizer, *, prompt_key: str, answer_key: str, max_prompt_tokens: int,
-                   chat_template: bool, system_prompt: str | None = None) -> tuple[list[Example], int]:  # fmt: skip
+                   chat_template: bool, system_prompt: str | None = None,
+                   default_prompt: list[dict] | None = None) -> tuple[list[Example], int]:  # fmt: skip
     """Tokenized examples, and how many were dropped for prompts longer than `max_prompt_tokens`. A chat prompt goes
-    through the tokenizer's chat template; `system_prompt` (not None) replaces its system message."""
+    through the tokenizer's chat template; `system_prompt` (not None) replaces its system message. A row without a
+    prompt takes `default_prompt` where one is given (an environment's routing data: its `reset` gives the prompt)."""
     use_template = bool(chat_template and getattr(tokenizer, "chat_template", None))
     answer_keys = AUTO_ANSWER if answer_key == "auto" else (answer_key,)
     examples, dropped = [], 0
     for row in rows:
         try:
-            prompt = lookup(row.fields, prompt_key)
+            prompt, in_row = lookup(row.fields, prompt_key), True
         except KeyError:
-            raise TrainerError(f"{row.where}: no {prompt_key!r} (it has {sorted(row.fields)}); set "
-                               "data.prompt_key") from None  # fmt: skip
+            if default_prompt is None:
+                raise TrainerError(f"{row.where}: no {prompt_key!r} (it has {sorted(row.fields)}); set "
+                                   "data.prompt_key") from None  # fmt: skip
+            prompt, in_row = default_prompt, False
         answer = _first(row, answer_keys, required=answer_key != "auto")
         ids = _prompt_ids(prompt, tokenizer, use_template, system_prompt, row.where)
         if len(ids) > max_prompt_tokens:
@@ -190,7 +195,7 @@ def build_examples(rows: list[Row], tokenizer, *, prompt_key: str, answer_key: s
             continue
         columns = {k: v for k, v in row.fields.items() if k != prompt_key}
         examples.append(Example(prompt, None if answer is None else str(answer), tuple(ids), columns, row.where,
-                                prompt_key))  # fmt: skip
+                                prompt_key if in_row else None))  # fmt: skip
     return examples, dropped
 
 
@@ -248,15 +253,15 @@ def load_examples(role: str, tokenizer, section, *, env_owns_data: bool = False)
         if not env_owns_data:
             raise TrainerError(f"data.{role}_files is empty: name the data, or an environment that makes its own tasks "
                                "(a TRL environment_factory class whose reset returns the prompt)")  # fmt: skip
-        placeholder = {"prompt": [{"role": "user", "content": ""}]}  # TRL's own for an environment's data
-        rows = [Row(f"data.{role}_files=[] (the environment's reset gives the prompt) row {i}", dict(placeholder))
-                for i in range(1, section.batch_size + 1)]  # fmt: skip
+        rows = [Row(f"data.{role}_files=[] (the environment's reset gives the prompt) row {i}",
+                    {"prompt": list(PLACEHOLDER)}) for i in range(1, section.batch_size + 1)]  # fmt: skip
     else:
         rows = read_rows(files, default_file=f"{role}.jsonl", split=getattr(section, f"{role}_split"),
                          config=section.dataset_config, key=f"data.{role}_files")  # fmt: skip
     examples, dropped = build_examples(rows, tokenizer, prompt_key=section.prompt_key, answer_key=section.answer_key,
                                        max_prompt_tokens=section.max_prompt_tokens, chat_template=section.chat_template,
-                                       system_prompt=section.system_prompt)  # fmt: skip
+                                       system_prompt=section.system_prompt,
+                                       default_prompt=list(PLACEHOLDER) if env_owns_data else None)  # fmt: skip
     if not examples:
         raise TrainerError(f"no usable prompts in {files}: {len(rows)} rows, {dropped} longer than "
                            f"data.max_prompt_tokens={section.max_prompt_tokens}")  # fmt: skip
