@@ -1,8 +1,9 @@
 """Multi-turn episodes on the real vLLM CPU engine: a stop string ends a turn where the HF engine's decode ends it,
-each episode of a turn samples with a seed of its own, and the embedded calculator task (inline and in a process of
+each request samples with its own seed, stop strings and length, and the embedded calculator task (inline and in a process of
 its own), a TRL environment_factory class, a SkyRL-gym environment and verifiers environments train on vLLM, with
 the engine's log-probs of the action tokens as close to the trainer's as single-turn runs keep them."""
 
+import dataclasses
 import json
 
 import pytest
@@ -45,10 +46,15 @@ def test_stop_strings_end_the_turn_where_the_hf_engine_ends_it():
             assert text.endswith("</call>")
             assert text.count("</call>") == 1
         repeated = [prompts[0]] * 6
-        sampled = vllm.generate(repeated, SamplingParams(max_tokens=12, temperature=1.5, seed=3, seed_per_prompt=True))
+        each = [SamplingParams(max_tokens=12, temperature=1.5, seed=3 + i) for i in range(6)]
+        sampled = vllm.generate(repeated, each)
         assert len({c.token_ids for c in sampled}) > 1  # the same context, each episode its own seed
-        again = vllm.generate(repeated, SamplingParams(max_tokens=12, temperature=1.5, seed=3, seed_per_prompt=True))
-        assert [c.token_ids for c in again] == [c.token_ids for c in sampled]
+        assert [c.token_ids for c in vllm.generate(repeated, each)] == [c.token_ids for c in sampled]
+        assert vllm.generate([repeated[4]], [each[4]])[0].token_ids == sampled[4].token_ids  # whatever is beside it
+        # each request its own stop strings and length, as on the HF engine
+        mixed = [greedy, dataclasses.replace(greedy, stop=(), max_tokens=3)]
+        assert [c.token_ids for c in vllm.generate(prompts[:2], mixed)] == [
+            c.token_ids for c in hf.generate(prompts[:2], mixed)]  # fmt: skip
     finally:
         vllm.close()
 

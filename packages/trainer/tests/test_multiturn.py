@@ -36,15 +36,15 @@ class Script:
         self.tokenizer, self.queues = tokenizer, [list(a) for a in actions]
         self.calls: list[list[list[int]]] = []
 
-    def __call__(self, prompts, sampling: SamplingParams) -> list[Completion]:
+    def __call__(self, prompts, sampling: list[SamplingParams]) -> list[Completion]:
         self.calls.append([list(p) for p in prompts])
         live = [q for q in self.queues if q]
         completions = []
-        for index, queue in enumerate(live):
+        for index, (queue, params) in enumerate(zip(live, sampling, strict=True)):
             pieces = queue.pop(0)
             ids = tuple(self.tokenizer.convert_tokens_to_ids(p) for p in pieces)
             text = self.tokenizer.decode(list(ids))
-            finished = ids[-1] == self.tokenizer.eos_token_id or any(text.endswith(s) for s in sampling.stop)
+            finished = ids[-1] == self.tokenizer.eos_token_id or any(text.endswith(s) for s in params.stop)
             completions.append(Completion(index, ids, tuple(-0.5 - 0.01 * i for i in range(len(ids))), finished, 0))
         return completions
 
@@ -406,22 +406,24 @@ def test_a_template_that_rewrites_history_is_refused_by_name():
         template.appended([{"role": "user", "content": "again"}])
 
 
-def test_episodes_of_a_turn_go_to_the_engine_in_one_call_each_with_its_own_seed():
+def test_episodes_waiting_go_to_the_engine_in_one_call_each_with_a_seed_of_its_episode_and_turn():
     tok = qwen2_style_tokenizer()
     call = pieces(hermes_call("add", {"a": 1, "b": 2}), tok)
     script = Script(tok, [[call, ["3", "<|im_end|>"]], [["9", "<|im_end|>"]], [call, call, ["3", "<|im_end|>"]]])
     run = runner(tok)
     episodes = run.start([ROW], 3)
-    seeds = []
+    requests = []
 
     def engine(prompts, sampling):
-        seeds.append((sampling.seed, sampling.seed_per_prompt, sampling.stop))
+        requests.append([(params.seed, params.stop, params.max_tokens) for params in sampling])
         return script(prompts, sampling)
 
     run.play(engine, episodes, SamplingParams(max_tokens=64, seed=5))
-    assert [len(c) for c in script.calls] == [3, 2, 1]  # live episodes per turn, one call each
-    assert seeds == [(5, True, ("</tool_call>",)), (5 + 7919, True, ("</tool_call>",)),
-                     (5 + 2 * 7919, True, ("</tool_call>",))]  # fmt: skip
+    assert [len(c) for c in script.calls] == [3, 2, 1]  # instant environments: every episode still going, each call
+    stop = ("</tool_call>",)
+    assert requests == [[(5, stop, 64), (5 + 104729, stop, 64), (5 + 2 * 104729, stop, 64)],
+                        [(5 + 7919, stop, 64), (5 + 2 * 104729 + 7919, stop, 64)],  # episodes 0 and 2, turn 2
+                        [(5 + 2 * 104729 + 2 * 7919, stop, 64)]]  # fmt: skip
 
 
 def test_the_calculator_task_config_loads():

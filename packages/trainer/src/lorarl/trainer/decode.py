@@ -46,11 +46,43 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One token per row of `probs` (`[B, V]`, rows summing to 1), by inverse CDF."""
+def sample(probs: Tensor, generator: torch.Generator | None = None, uniforms: Tensor | None = None) -> Tensor:
+    """One token per row of `probs` (`[B, V]`, rows summing to 1), by inverse CDF of `uniforms` (`[B]` in [0, 1);
+    drawn from `generator` when None)."""
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=cdf.dtype)
+    u = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser on a Python int: a key's bits spread over all 64."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def keyed_uniforms(keys: Tensor, step: int) -> Tensor:
+    """`[B]` float32 uniforms in [0, 1), each a hash of its row's key (int64 `[B]`, below 2**32) and `step` alone:
+    a row's draws do not depend on the other rows of its batch (an episode's samples, whatever else is decoding).
+    The products stay below 2**63 (32-bit values, 31-bit multipliers): exact in int64."""
+    x = keys ^ (mix64(step) & MASK32)
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x346CA68B) & MASK32
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) / float(1 << 24)
+
+
+def row_keys(seeds: list[int], device) -> Tensor:
+    """The per-row keys of `keyed_uniforms` for rows seeded `seeds`."""
+    return torch.tensor([mix64(seed) & MASK32 for seed in seeds], dtype=torch.int64, device=device)
 
 
 @contextlib.contextmanager
@@ -207,6 +239,8 @@ def decode(
     stop: StopStrings | None = None,
     min_tokens: int = 0,
     adapter_names: list[str] | None = None,
+    seeds: list[int] | None = None,
+    limits: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`n` responses to each left-padded prompt `[B, P]`: `(tokens [B·n, T], logp [B·n, T])` (prompt i's responses
     in rows i·n to i·n + n - 1), T <= max_tokens. Greedy when `temperature` is 0. `logp` is each token's log-prob
@@ -214,14 +248,16 @@ def decode(
     and its log-probs 0 — as after a stop string of `stop`. Stops when every row has ended. The first `min_tokens`
     tokens of a row are drawn with `eos` removed from the distribution (vLLM's `min_tokens`; their log-probs are of the
     distribution drawn from), and a stop string ends a row only after them. `adapter_names` (a peft model): each
-    prompt's adapter, a batch of several adapters (peft's mixed-batch forward)."""
+    prompt's adapter, a batch of several adapters (peft's mixed-batch forward). `seeds` (one per row, `[B·n]`): each
+    row draws from a stream of its own seed (`keyed_uniforms`) instead of `generator`; `limits` (one per row): a
+    row ends after that many tokens (`max_tokens` is then their largest)."""
     with vocab_sliced(model.get_output_embeddings()), packed_linears(model):
         return _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop,
-                       min_tokens, adapter_names)  # fmt: skip
+                       min_tokens, adapter_names, seeds, limits)  # fmt: skip
 
 
 def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p, eos, pad, generator, stop, min_tokens,
-            adapter_names):  # fmt: skip
+            adapter_names, seeds, limits):  # fmt: skip
     mask = attention_mask.long()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     routed = {} if adapter_names is None else {"adapter_names": list(adapter_names)}
@@ -237,19 +273,24 @@ def _decode(model, input_ids, attention_mask, n, max_tokens, temperature, top_p,
     batch = mask.shape[0]
     greedy = temperature <= 0
     ended = torch.zeros(batch, dtype=torch.bool, device=mask.device)
+    keys = None if seeds is None else row_keys(seeds, mask.device)
+    limit = None if limits is None else torch.tensor(limits, device=mask.device)
     tokens, logps = [], []
     for step in range(max_tokens):
         logits = out.logits[:, -1].float()
         if step < min_tokens:
             logits[:, eos] = float("-inf")
         log_p = torch.log_softmax(logits if greedy else logits / temperature, -1)
-        token = logits.argmax(-1) if greedy else sample(nucleus(log_p.exp(), top_p), generator)
+        uniforms = None if keys is None or greedy else keyed_uniforms(keys, step)
+        token = logits.argmax(-1) if greedy else sample(nucleus(log_p.exp(), top_p), generator, uniforms)
         token = token.masked_fill(ended, pad)
         tokens.append(token)
         logps.append(log_p.gather(1, token[:, None])[:, 0].masked_fill(ended, 0.0))
         ended |= token == eos
         if stop is not None and step >= min_tokens:
             ended |= stop(tokens, token, ended)
+        if limit is not None:
+            ended |= limit <= step + 1
         if bool(ended.all()) or step == max_tokens - 1:
             break
         mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)

@@ -159,12 +159,12 @@ def play_episodes(engine: RolloutEngine, runner: EpisodeRunner, examples: list[d
     """`n` episodes per example, played on `engine` to their ends, every action checked to come from weights
     `version` (or `lag` before)."""
 
-    def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         completions = engine.generate(prompts, params)
         check_versions(completions, version, lag=lag)
         return completions
 
-    episodes = runner.start(examples, n)
+    episodes = runner.episodes(examples, n)
     runner.play(generate, episodes, sampling)
     return episodes
 

@@ -197,10 +197,20 @@ class EnvSection:
     on_parse_error: str = option("stop", "a tool call the format cannot read: end the episode (stop reason "
                                  "parse_error), or send the error back as the tool's message",
                                  ("stop", "feedback"))  # fmt: skip
-    on_error: str = option("raise", "an environment that raises: stop the run (naming the episode's data row), or "
-                           "end the episode scored env.error_score (counted in env/errors)",
+    on_error: str = option("raise", "an environment that raises or times out: stop the run (naming the episode's "
+                           "data row), or end the episode scored env.error_score (counted in env/errors, "
+                           "env/timeouts)",
                            ("raise", "score"))  # fmt: skip
-    error_score: float = option(0.0, "the return of an episode whose environment raised, with env.on_error=score")
+    error_score: float = option(0.0, "the return of an episode whose environment raised or timed out, with "
+                                "env.on_error=score")  # fmt: skip
+    concurrency: int = option(64, "environment calls (reset, step) waiting at once: a blocking call runs on one of "
+                              "this many threads (sized for services: sandboxes, APIs, judges); async ones are "
+                              "awaited on one loop", minimum=1)  # fmt: skip
+    timeout_s: float = option(600.0, "an environment call (reset, step) taking longer ends its episode (stop reason "
+                              "timeout), scored as env.on_error says; 0 = no limit", minimum=0.0)  # fmt: skip
+    batch_wait_s: float = option(0.05, "how long an episode's turn waits for others to join it in the engine's "
+                                 "batch while environments are still answering (none wait once every episode "
+                                 "waits)", minimum=0.0)  # fmt: skip
 
 
 @dataclass

@@ -33,7 +33,6 @@ class SamplingParams:
     max_tokens: int = 16
     seed: int = 0
     stop: tuple[str, ...] = ()  # strings that end a response besides end-of-sequence (kept in it)
-    seed_per_prompt: bool = False  # prompt i samples with seed + i (repeated prompts answered apart: episodes)
     min_tokens: int = 0  # end-of-sequence cannot be drawn (nor a stop string end a response) before this many tokens
 
     def __post_init__(self):
@@ -46,6 +45,16 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(n=1, temperature=0.0)
+
+# how a request samples: one `SamplingParams` for all its prompts (drawing from one stream seeded `seed`), or one per
+# prompt (each drawing from a stream of its own `seed`: its samples do not depend on the other prompts of the request)
+Sampling = SamplingParams | Sequence[SamplingParams]
+
+
+def stop_strings(sampling: Sampling) -> tuple[str, ...]:
+    """Every stop string of a request."""
+    each = [sampling] if isinstance(sampling, SamplingParams) else sampling
+    return tuple(sorted({text for params in each for text in params.stop}))
 
 
 @dataclass(frozen=True)
@@ -75,11 +84,11 @@ class RolloutEngine(Protocol):
     version: int  # the weights it generates with (0: those it loaded from disk)
     capabilities: Capabilities
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
-        """`sampling.n` completions per prompt, prompt by prompt, in order."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+        """`n` completions per prompt, prompt by prompt, in order (`sampling`: one for all, or one per prompt)."""
         ...
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Callable[[], list[Completion]]:
         """`generate`, returning what waits for its completions (called before any other request to the engine);
         with `capabilities.background` it generates while the caller goes on."""
         ...
@@ -104,7 +113,7 @@ class RolloutEngine(Protocol):
 class SubmitsInBackground:
     """`generate` as `submit`, then wait: for the placements whose worker generates beside the caller."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
         return self.submit(prompts, sampling)()
 
 
@@ -112,7 +121,7 @@ class GeneratesWhenAsked:
     """`submit` that generates at once and hands back the result: for engines that share the trainer's process or
     device, where nothing could overlap with training."""
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Callable[[], list[Completion]]:
         completions = self.generate(prompts, sampling)
         return lambda: completions
 
@@ -192,7 +201,7 @@ class Worker:
         own)."""
         return False
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         raise NotImplementedError
 
     def apply(self, update: Update, *, shared: bool = False) -> SyncStats:

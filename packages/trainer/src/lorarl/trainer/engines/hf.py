@@ -19,7 +19,15 @@ import torch
 from lorarl.trainer import cpu_attention, threads
 from lorarl.trainer.decode import StopStrings, decode, left_padded, response_end
 from lorarl.trainer.engines import HFEngineSettings
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, SamplingParams, Worker
+from lorarl.trainer.engines.base import (
+    Capabilities,
+    Completion,
+    EngineContext,
+    Sampling,
+    SamplingParams,
+    Worker,
+    stop_strings,
+)
 from lorarl.weight_sync import Channel, Link, SyncStats, Update, copy_into, open_channel, save_adapter
 from lorarl.weight_sync.factors import FactorMerger, read_factor_set
 
@@ -68,9 +76,9 @@ class HFWorker(Worker):
         self.tokenizer = None  # loaded for stop strings
 
     @threads.busy()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         model = self.adapter if self.adapter is not None else self.model
-        if sampling.stop and self.tokenizer is None:  # stop strings are text
+        if stop_strings(sampling) and self.tokenizer is None:  # stop strings are text
             from lorarl.trainer.models import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.settings.model_path)
@@ -165,32 +173,57 @@ def generate_with_hf(
     settings: HFSettings,
     version: int,
     prompts: Sequence[Sequence[int]],
-    sampling: SamplingParams,
+    sampling: Sampling,
     tokenizer=None,
 ) -> list[Completion]:
-    """`sampling.n` responses per prompt, batched, seeded; a response ends at `eos`, or at one of `sampling.stop`
-    (read with `tokenizer`, which stop strings need)."""
-    if sampling.stop and tokenizer is None:
-        raise ValueError(f"stop strings {sampling.stop} need the model's tokenizer")
-    eos, pad, device, n = settings.eos, settings.pad, settings.device, sampling.n
-    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    """`n` responses per prompt, batched, seeded; a response ends at `eos`, at one of its `stop` strings (read with
+    `tokenizer`, which stop strings need) or at its `max_tokens`. One `SamplingParams` for all prompts draws from one
+    generator seeded `sampling.seed`; one per prompt (`per_prompt`): each prompt from a stream of its own seed, in
+    batches of the prompts that sample alike (temperature, top_p, stop strings, min_tokens)."""
+    if isinstance(sampling, SamplingParams):
+        return _generate(model, settings, version, list(prompts), range(len(prompts)), sampling, tokenizer)
+    groups: dict[tuple, list[int]] = {}
+    for i, params in enumerate(sampling):
+        groups.setdefault((params.n, params.temperature, params.top_p, params.stop, params.min_tokens), []).append(i)
+    completions = []
+    for members in groups.values():
+        completions += _generate(model, settings, version, [list(prompts[i]) for i in members], members,
+                                 [sampling[i] for i in members], tokenizer)  # fmt: skip
+    return sorted(completions, key=lambda c: c.prompt_index)  # stable: a prompt's n responses stay in order
+
+
+def _generate(model, settings: HFSettings, version: int, prompts: list[list[int]], indices: Sequence[int],
+              sampling: Sampling, tokenizer) -> list[Completion]:  # fmt: skip
+    """Prompts that sample alike (`sampling`: one for all, or one each differing in seed and max_tokens alone),
+    decoded `settings.batch_size` sequences at a time; completion i answers prompt `indices[i]`."""
+    each = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    first = each[0]
+    if first.stop and tokenizer is None:
+        raise ValueError(f"stop strings {first.stop} need the model's tokenizer")
+    eos, pad, device, n = settings.eos, settings.pad, settings.device, first.n
+    generator = torch.Generator(device=device).manual_seed(first.seed)
+    own_streams = not isinstance(sampling, SamplingParams)
     completions = []
     per_batch = max(1, settings.batch_size // n)
     for start in range(0, len(prompts), per_batch):
-        chunk = [list(p) for p in prompts[start : start + per_batch]]
+        chunk, params = prompts[start : start + per_batch], each[start : start + per_batch]
         ids, mask = left_padded(chunk, pad, device)
         stop = None
-        if sampling.stop:
-            candidates = stop_candidates(tokenizer, sampling.stop, model.get_output_embeddings().weight.shape[0])
-            stop = StopStrings(tokenizer, sampling.stop, candidates)
-        tokens, logp = decode(model, ids, mask, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                              top_p=sampling.top_p, eos=eos, pad=pad, generator=generator, stop=stop,
-                              min_tokens=sampling.min_tokens)  # fmt: skip
+        if first.stop:
+            candidates = stop_candidates(tokenizer, first.stop, model.get_output_embeddings().weight.shape[0])
+            stop = StopStrings(tokenizer, first.stop, candidates)
+        limits = [p.max_tokens for p in params for _ in range(n)]
+        seeds = [p.seed + 7919 * k for p in params for k in range(n)] if own_streams else None
+        tokens, logp = decode(model, ids, mask, n=n, max_tokens=max(limits), temperature=first.temperature,
+                              top_p=first.top_p, eos=eos, pad=pad, generator=generator, stop=stop,
+                              min_tokens=first.min_tokens, seeds=seeds,
+                              limits=limits if own_streams else None)  # fmt: skip
         stopped = stop.ends if stop is not None else {}  # row -> its length with the stop string
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
+            row_tokens = row_tokens[: limits[row]]  # what follows a row's own limit is padding
             length, finished = response_end(row_tokens, eos, stopped.get(row))
-            completions.append(Completion(start + row // n, tuple(row_tokens[:length]), tuple(row_logp[:length]),
-                                          finished, version))  # fmt: skip
+            completions.append(Completion(indices[start + row // n], tuple(row_tokens[:length]),
+                                          tuple(row_logp[:length]), finished, version))  # fmt: skip
     return completions
 
 

@@ -5,7 +5,7 @@ weights; vLLM's through its in-process channel). It generates when asked, so not
 
 from collections.abc import Sequence
 
-from lorarl.trainer.engines.base import Capabilities, Completion, GeneratesWhenAsked, SamplingParams, Worker
+from lorarl.trainer.engines.base import Capabilities, Completion, GeneratesWhenAsked, Sampling, Worker
 from lorarl.weight_sync import SyncStats, Update
 
 
@@ -19,7 +19,7 @@ class InlineEngine(GeneratesWhenAsked):
     def version(self) -> int:
         return self.worker.version
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
         return self.worker.generate([list(p) for p in prompts], sampling)
 
     def sync(self, update: Update) -> SyncStats:

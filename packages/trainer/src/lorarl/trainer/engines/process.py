@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, SamplingParams, SubmitsInBackground
+from lorarl.trainer.engines.base import Capabilities, Completion, EngineError, Sampling, SubmitsInBackground
 from lorarl.trainer.interrupt import ignore_stop_signals
 from lorarl.trainer.registry import Portable
 from lorarl.weight_sync import Channel, Link, SyncStats, TransferError, Update, free_port, open_channel
@@ -82,7 +82,7 @@ class ProcessEngine(SubmitsInBackground, FedOverChannel):
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = self._reply("start")
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Callable[[], list[Completion]]:
         self._conn.send(("generate", ([list(p) for p in prompts], sampling)))
         return lambda: self._reply("generate")
 

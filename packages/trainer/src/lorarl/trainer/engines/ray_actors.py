@@ -11,6 +11,7 @@ from lorarl.trainer.engines.base import (
     Capabilities,
     Completion,
     EngineError,
+    Sampling,
     SamplingParams,
     SubmitsInBackground,
     agreed,
@@ -71,12 +72,18 @@ class RayEngines(SubmitsInBackground, FedOverChannel):
         self.capabilities = Capabilities(background=True, checksum=worker_class.capabilities.checksum)
         self.version = agreed(self._get(joined, "start"), "weights version")
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Callable[[], list[Completion]]:
-        """Contiguous slices of the prompts, one per replica (each seeded by `seed` and its index), in order."""
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> Callable[[], list[Completion]]:
+        """Contiguous slices of the prompts, one per replica (each seeded by `seed` and its index, or with its prompts'
+        own settings), in order."""
         size = -(-len(prompts) // len(self.actors))
         starts = range(0, len(prompts), size)
-        futures = [actor.generate.remote([list(p) for p in prompts[start : start + size]],
-                                         dataclasses.replace(sampling, seed=sampling.seed + 7919 * i))
+
+        def part(i: int, start: int) -> Sampling:
+            if isinstance(sampling, SamplingParams):
+                return dataclasses.replace(sampling, seed=sampling.seed + 7919 * i)
+            return list(sampling[start : start + size])
+
+        futures = [actor.generate.remote([list(p) for p in prompts[start : start + size]], part(i, start))
                    for i, (actor, start) in enumerate(zip(self.actors, starts, strict=False))]  # fmt: skip
 
         def wait() -> list[Completion]:

@@ -35,7 +35,15 @@ from typing import TypeVar
 import torch
 
 from lorarl.trainer.engines import VllmEngineSettings
-from lorarl.trainer.engines.base import Capabilities, Completion, EngineContext, EngineError, SamplingParams, Worker
+from lorarl.trainer.engines.base import (
+    Capabilities,
+    Completion,
+    EngineContext,
+    EngineError,
+    Sampling,
+    SamplingParams,
+    Worker,
+)
 from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, Update
 from lorarl.weight_sync.vllm import (
     BACKEND,
@@ -184,17 +192,17 @@ class VllmServing:
         self._lora_ids = itertools.count(1)  # a fresh id per adapter: vLLM serves a reused id's old adapter
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-"))  # where the workers write adapters
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
         """`sampling.n` responses per prompt, seeded, with the served adapter, if any."""
         import vllm
         from vllm.inputs import TokensPrompt
 
         if self.refusal:
             raise EngineError(f"the vLLM engine refuses to generate until a version is applied whole: {self.refusal}")
-        params = vllm.SamplingParams(**sampling_args(sampling))
-        if sampling.seed_per_prompt:
-            params = [vllm.SamplingParams(**sampling_args(dataclasses.replace(sampling, seed=sampling.seed + i)))
-                      for i in range(len(prompts))]  # fmt: skip
+        if isinstance(sampling, SamplingParams):
+            params = vllm.SamplingParams(**sampling_args(sampling))
+        else:  # one per prompt: vLLM seeds each request's sampling apart
+            params = [vllm.SamplingParams(**sampling_args(p)) for p in sampling]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     lora_request=self.lora_request, use_tqdm=False)  # fmt: skip
         return to_completions(outputs, self.version)
@@ -271,7 +279,7 @@ class VllmWorker(Worker):
     def version(self) -> int:
         return self.serving.version
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         if self.asleep:
             if not self.settings.keeps_weights_asleep:
                 raise EngineError("the inline vLLM engine freed its weights to sleep: sync weights before generating")

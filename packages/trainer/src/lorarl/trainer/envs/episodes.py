@@ -1,19 +1,25 @@
-"""A batch of episodes played on the rollout engine, turn by turn, and what they leave to train on.
+"""A batch of episodes played on the rollout engine, each on its own, and what they leave to train on.
 
-Each turn, every live episode's context goes to the engine in one call (never one episode at a time), each with a
-seed of its own; each action is cut to what is left of the episode's token budget (`env.max_tokens`) and handed to its
-environment. What the episode keeps is its `segments`: a segment is one training sequence — the context it starts
-from, then each token after it, sampled (mask 1, with the engine's log-prob) or appended by the environment (mask 0,
-log-prob 0). A next observation that does not extend the context by the action starts a new segment.
+Each episode is a coroutine (`scheduling.py`): it asks the engine for its next action, which is sampled together with
+the other episodes' waiting then (never one episode at a time), with the episode's own stop strings, what is left of
+its token budget (`env.max_tokens`) as its length, and a seed of its episode and turn; then it awaits its
+environment's answer, while the other episodes go on. What the episode keeps is its `segments`: a segment is one
+training sequence — the context it starts from, then each token after it, sampled (mask 1, with the engine's
+log-prob) or appended by the environment (mask 0, log-prob 0). A next observation that does not extend the context
+by the action starts a new segment.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from lorarl.trainer.engines.base import SamplingParams
 from lorarl.trainer.envs import ENVIRONMENTS, SINGLE_TURN
 from lorarl.trainer.envs.base import Action, Environment, EnvSetup, Observation, Step
+from lorarl.trainer.envs.scheduling import EnvPool, TurnBatcher, event_loop
 from lorarl.trainer.envs.tools import load_tools
 from lorarl.trainer.errors import TrainerError
 
@@ -80,7 +86,7 @@ class Episode:
 
 
 class EpisodeRunner:
-    """The run's environment (`env.name`), its setup (tools, settings), and the turn loop."""
+    """The run's environment (`env.name`), its setup (tools, settings), and the episodes' loop."""
 
     def __init__(self, section, tokenizer, *, eos: int, system_prompt: str | None = None,
                  max_prompt_tokens: int | None = None):  # fmt: skip
@@ -90,17 +96,65 @@ class EpisodeRunner:
         self.environment = entry.environment
         self.setup = EnvSetup(tokenizer, section, entry.settings_in(section), load_tools(section.tools), system_prompt)
         self.owns_data = self.environment.owns_data  # its reset can make the task (data.train_files=[])
+        self.pool = EnvPool(section.concurrency)
+
+    def episodes(self, examples: list, n: int) -> list[Episode]:
+        """`n` episodes per example, not reset yet (`play` resets them)."""
+        return [Episode(index, example, self.environment(self.setup), ())
+                for index, example in enumerate(examples) for _ in range(n)]  # fmt: skip
 
     def start(self, examples: list, n: int) -> list[Episode]:
-        """`n` episodes per example, reset."""
-        episodes = [Episode(index, example, self.environment(self.setup), ())
-                    for index, example in enumerate(examples) for _ in range(n)]  # fmt: skip
-        for episode in episodes:
-            self._reset(episode)
+        """`n` episodes per example, reset (concurrently)."""
+        episodes = self.episodes(examples, n)
+        event_loop().run_until_complete(self._gathered(self._reset(e) for e in episodes))
         return episodes
 
-    def _reset(self, episode: Episode) -> None:
-        observation = self._guarded(episode, lambda: episode.env.reset(episode.example), "reset")
+    def play(self, generate: Callable, episodes: list[Episode], sampling: SamplingParams) -> None:
+        """Every episode to its end, each on its own: reset (where `start` did not), then turn after turn — its
+        action sampled together with the other episodes' waiting for theirs (`generate(contexts, params)`, one
+        `SamplingParams` per context: its stop strings, what is left of its budget, a seed of its own episode and
+        turn), its environment's answer awaited without holding the others. Then the environment's `conclude` on the
+        batch, grouped by data row."""
+        event_loop().run_until_complete(self._play(generate, episodes, sampling))
+        groups: dict[int, list[Episode]] = {}
+        for episode in episodes:
+            groups.setdefault(episode.index, []).append(episode)
+        self.environment.conclude(list(groups.values()))
+
+    async def _play(self, generate: Callable, episodes: list[Episode], sampling: SamplingParams) -> None:
+        batcher = TurnBatcher(generate, len(episodes), self.section.batch_wait_s)
+        await self._gathered([batcher.serve()] + [self._episode(batcher, order, episode, sampling)
+                                                  for order, episode in enumerate(episodes)])  # fmt: skip
+
+    @staticmethod
+    async def _gathered(coroutines) -> None:
+        """Every coroutine run concurrently; the first to raise stops the others, and is raised."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for coroutine in coroutines:
+                    group.create_task(coroutine)
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+
+    async def _episode(self, batcher: TurnBatcher, order: int, episode: Episode, sampling: SamplingParams) -> None:
+        s = self.section
+        try:
+            if not episode.segments:
+                await self._reset(episode)
+            turn = 0
+            while not episode.done:
+                left = s.max_tokens - episode.spent
+                max_tokens = max(1, min(sampling.max_tokens, left))
+                params = replace(sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
+                                 stop=episode.stop, seed=sampling.seed + 104729 * order + 7919 * turn)  # fmt: skip
+                completion = await batcher.sample(order, episode.context, params)
+                await self._act(episode, completion, left, last_turn=turn == s.max_turns - 1)
+                turn += 1
+        finally:
+            batcher.finished()
+
+    async def _reset(self, episode: Episode) -> None:
+        observation = await self._guarded(episode, "reset", episode.example)
         if observation is None:  # it raised, and is scored (env.on_error=score)
             return
         observation = self._checked(episode, observation, Observation, "reset")
@@ -112,31 +166,7 @@ class EpisodeRunner:
         episode.stop = tuple(observation.stop)
         episode.segments.append(Segment(episode.prompt))
 
-    def play(self, generate: Callable, episodes: list[Episode], sampling) -> None:
-        """Every episode to its end: each turn, one `generate(contexts, sampling)` call for all live episodes; then
-        the environment's `conclude` on the batch, grouped by data row."""
-        self._turns(generate, episodes, sampling)
-        groups: dict[int, list[Episode]] = {}
-        for episode in episodes:
-            groups.setdefault(episode.index, []).append(episode)
-        self.environment.conclude(list(groups.values()))
-
-    def _turns(self, generate: Callable, episodes: list[Episode], sampling) -> None:
-        s = self.section
-        for turn in range(s.max_turns):
-            live = [e for e in episodes if not e.done]
-            if not live:
-                return
-            room = [s.max_tokens - e.spent for e in live]
-            stops = tuple(sorted({text for e in live for text in e.stop}))
-            max_tokens = max(1, min(sampling.max_tokens, max(room)))
-            params = replace(sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
-                             stop=stops, seed=sampling.seed + 7919 * turn, seed_per_prompt=True)  # fmt: skip
-            completions = generate([list(e.context) for e in live], params)
-            for episode, completion, left in zip(live, completions, room, strict=True):
-                self._act(episode, completion, left, last_turn=turn == s.max_turns - 1)
-
-    def _act(self, episode: Episode, completion, left: int, *, last_turn: bool) -> None:
+    async def _act(self, episode: Episode, completion, left: int, *, last_turn: bool) -> None:
         """One action into its episode, and the environment's answer."""
         tokens, logprobs = completion.token_ids[:left], completion.logprobs[:left]
         cut = len(tokens) < len(completion.token_ids)
@@ -151,7 +181,7 @@ class EpisodeRunner:
         if truncation and not episode.env.steps_truncated:
             episode.stop_reason = truncation
             return
-        step = self._guarded(episode, lambda: episode.env.step(action), "step")
+        step = await self._guarded(episode, "step", action)
         if step is None:
             return
         step = self._checked(episode, step, Step, "step")
@@ -177,20 +207,27 @@ class EpisodeRunner:
             episode.segments.append(Segment(following))
         episode.context, episode.stop = following, tuple(observation.stop)
 
-    def _guarded(self, episode: Episode, call: Callable, what: str):
-        """`call()`; if the environment raises: stop the run naming the row, or end the episode with
-        `env.error_score` (`env.on_error=score`)."""
+    async def _guarded(self, episode: Episode, what: str, argument):
+        """The environment's `what` (reset or step) of `argument`: awaited where it is `async`, else on a thread of
+        the pool, for at most `env.timeout_s`. If it raises or runs out of time: stop the run naming the row, or end
+        the episode with `env.error_score` (`env.on_error=score`; stop reason error or timeout)."""
+        method = getattr(episode.env, what)
+        call = method(argument) if inspect.iscoroutinefunction(method) else self.pool.run(lambda: method(argument))
+        limit = self.section.timeout_s or None
         try:
-            return call()
+            async with asyncio.timeout(limit) as deadline:
+                return await call
         except Exception as e:
+            timed_out = isinstance(e, TimeoutError) and deadline.expired()
             if self.section.on_error == "raise":
                 where = episode.example.where or f"prompt {str(episode.example.prompt)[:80]!r}"
-                raise EnvError(f"the environment ({self.section.name}) raised in {what} on the episode of {where}: "
-                               f"{type(e).__name__}: {e} (env.on_error=score scores such episodes "
-                               "instead)") from e  # fmt: skip
-            episode.stop_reason = "error"
+                failure = f"ran out of env.timeout_s={self.section.timeout_s:g} s" if timed_out else "raised"
+                detail = "" if timed_out else f": {type(e).__name__}: {e}"
+                raise EnvError(f"the environment ({self.section.name}) {failure} in {what} on the episode of "
+                               f"{where}{detail} (env.on_error=score scores such episodes instead)") from e  # fmt: skip
+            episode.stop_reason = "timeout" if timed_out else "error"
             episode.rewards.append(self.section.error_score)
-            episode.count({"errors": 1})
+            episode.count({"timeouts" if timed_out else "errors": 1})
             if not episode.segments:
                 episode.segments.append(Segment(tuple(episode.example.prompt_ids)))
             return None

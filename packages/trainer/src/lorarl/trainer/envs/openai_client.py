@@ -31,6 +31,7 @@ import httpx
 
 from lorarl.trainer.envs.base import Action, Observation, Step
 from lorarl.trainer.envs.chat import ChatEnvironment, chat_template
+from lorarl.trainer.envs.scheduling import event_loop
 from lorarl.trainer.envs.tools import TOOL_FORMATS, ParseError, Tool
 from lorarl.trainer.errors import TrainerError
 
@@ -40,12 +41,6 @@ if TYPE_CHECKING:
 EPISODE: contextvars.ContextVar[ClientEnvironment] = contextvars.ContextVar("lorarl_client_episode")
 OVERLONG = ("This model's maximum context length is reached: the episode's token budget (env.max_tokens) or turns "
             "(env.max_turns) are spent")  # fmt: skip
-
-
-@functools.cache
-def event_loop() -> asyncio.AbstractEventLoop:
-    """The loop every episode's program runs on (in this process), driven by the episodes' own steps."""
-    return asyncio.new_event_loop()
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> tuple[int, dict]:
@@ -104,25 +99,25 @@ class ClientEnvironment(ChatEnvironment):
     def program(self, example, client) -> Coroutine:
         raise NotImplementedError
 
-    def reset(self, example) -> Observation:
-        loop = event_loop()
+    async def reset(self, example) -> Observation:
+        loop = asyncio.get_running_loop()
         self.request, self.reply, self.answered, self.messages = loop.create_future(), None, 0, []
         context = contextvars.copy_context()
         context.run(EPISODE.set, self)
         self.task = loop.create_task(self.program(example, client()), context=context)
-        body = self.advance()
+        body = await self.advance()
         if body is None:
             raise TrainerError(f"{type(self).__name__}: the program ended before asking the model anything "
                                f"(it returned {self.task.result()!r:.200})")  # fmt: skip
         return self.observe(body, None)
 
-    def step(self, action: Action) -> Step:
+    async def step(self, action: Action) -> Step:
         message = self.parse(action)
         finish = "tool_calls" if message.get("tool_calls") else "stop"
         self.answer(200, self.completion(action, message, finish))
         self.messages = [*self.messages, message]
         metrics = {"tool_calls": len(message.get("tool_calls", ())), "parse_errors": int("parse_error" in message)}
-        body = self.advance()
+        body = await self.advance()
         if body is None:
             return Step(done=True, stop_reason=self.outcome(), metrics=metrics)
         return Step(observation=self.observe(body, action), metrics=metrics)
@@ -149,8 +144,12 @@ class ClientEnvironment(ChatEnvironment):
 
     def finish(self, episode: Episode) -> None:
         """The program run to its end, once the episode has ended: a last action it was not answered (one cut at a
-        length) answered as such, any later request with the context-length error."""
+        length) answered as such, any later request with the context-length error; a program whose environment call
+        timed out is cancelled."""
         if not hasattr(self, "task") or self.task.done():
+            return
+        if episode.stop_reason == "timeout":
+            self.task.cancel()
             return
         if len(episode.actions) > self.answered:
             action = episode.actions[-1]
@@ -158,7 +157,7 @@ class ClientEnvironment(ChatEnvironment):
         else:
             self.answer(*error(400, OVERLONG))
         try:
-            while self.advance() is not None:
+            while event_loop().run_until_complete(self.advance()) is not None:
                 self.answer(*error(400, OVERLONG))
         except Exception:  # the program's failure at its end leaves it without a result
             episode.count({"program_errors": 1})
@@ -168,22 +167,21 @@ class ClientEnvironment(ChatEnvironment):
         """A request from the program: handed to the episode, answered by its next step."""
         if self.request.done():
             return error(400, "one request at a time: an episode's program asked again before it was answered")
-        self.reply = event_loop().create_future()
+        self.reply = asyncio.get_running_loop().create_future()
         self.request.set_result(body)
         return await self.reply
 
     # the episode's side
-    def advance(self) -> dict | None:
+    async def advance(self) -> dict | None:
         """Run the program until its next request (returned) or its end (None; what it raised is raised here)."""
-        loop = event_loop()
-        loop.run_until_complete(asyncio.wait((self.request, self.task), return_when=asyncio.FIRST_COMPLETED))
+        await asyncio.wait((self.request, self.task), return_when=asyncio.FIRST_COMPLETED)
         if self.request.done():
             return self.request.result()
         self.task.result()
         return None
 
     def answer(self, status: int, body: dict) -> None:
-        self.request = event_loop().create_future()
+        self.request = self.task.get_loop().create_future()
         self.reply.set_result((status, body))
         self.answered += status == 200
 

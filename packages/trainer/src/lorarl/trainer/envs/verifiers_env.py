@@ -21,7 +21,8 @@ import copy
 import functools
 import json
 
-from lorarl.trainer.envs.openai_client import ClientEnvironment, event_loop
+from lorarl.trainer.envs.openai_client import ClientEnvironment
+from lorarl.trainer.envs.scheduling import event_loop
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.registry import import_object
 

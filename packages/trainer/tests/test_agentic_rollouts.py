@@ -1,0 +1,175 @@
+"""Episodes at real-world environment latency: environment calls wait concurrently (threads for blocking ones, the
+loop for async ones), an episode never waits for another's environment, a call past env.timeout_s ends its episode
+(or the run) in one line, and each request samples with its own settings — its stop strings, its length, a stream
+of its own seed that the other rows of a batch do not change."""
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from chat_fixtures import qwen2_style_tokenizer
+from test_multiturn import ROW
+
+from lorarl.trainer import default_task
+from lorarl.trainer.engines import Completion, SamplingParams
+from lorarl.trainer.engines.hf import HFSettings, HFWorker
+from lorarl.trainer.envs import ENVIRONMENTS
+from lorarl.trainer.envs.base import Environment, Observation, Step
+from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner, episode_metrics
+from lorarl.trainer.models import load_tokenizer
+from lorarl.trainer.schema import EnvSection
+
+EPISODES = 6
+
+
+class Turns(Environment):
+    """Three turns of plain text; `answer` (the subclasses') is what each step does before it answers."""
+
+    def reset(self, example) -> Observation:
+        return Observation(tuple(self.tokenizer.encode(example.prompt)))
+
+    def answered(self, action) -> Step:
+        turns = getattr(self, "turns", 0) + 1
+        self.turns = turns
+        if turns == 3:
+            return Step(reward=1.0, done=True)
+        return Step(observation=Observation(tuple(self.tokenizer.encode(ROW.prompt)) + action.tokens))
+
+
+class AllAtOnce(Turns):
+    """Each step waits until every episode is in its step: it passes only if the calls wait concurrently."""
+
+    barrier = threading.Barrier(EPISODES, timeout=20)
+
+    def step(self, action) -> Step:
+        self.barrier.wait()
+        return self.answered(action)
+
+
+class AsyncAllAtOnce(Turns):
+    """The same, `async`: awaited together on the loop."""
+
+    barrier = None
+
+    async def step(self, action) -> Step:
+        await asyncio.wait_for(type(self).barrier.wait(), 20)
+        return self.answered(action)
+
+
+class SlowFirst(Turns):
+    """Episode 0's first step waits until every other episode has ended: it passes only if those do not wait for
+    episode 0's turn."""
+
+    others_done = threading.Event()
+    count = ended = 0
+    lock = threading.Lock()
+
+    def reset(self, example) -> Observation:
+        with SlowFirst.lock:
+            self.number, SlowFirst.count = SlowFirst.count, SlowFirst.count + 1
+        return super().reset(example)
+
+    def step(self, action) -> Step:
+        if self.number == 0 and not hasattr(self, "turns"):
+            assert SlowFirst.others_done.wait(20), "the other episodes waited for episode 0"
+        step = self.answered(action)
+        if step.done and self.number != 0:
+            with SlowFirst.lock:
+                SlowFirst.ended += 1
+                if SlowFirst.ended == EPISODES - 1:
+                    SlowFirst.others_done.set()
+        return step
+
+
+class Hanging(Turns):
+    def step(self, action) -> Step:
+        threading.Event().wait(30)  # a service that never answers (its thread is a daemon)
+        return self.answered(action)
+
+
+class Answers:
+    """The engine's side: the same action for every context it is given; each call's contexts recorded."""
+
+    def __init__(self, tokenizer):
+        self.ids = (*tokenizer.encode(" more"), tokenizer.eos_token_id)
+        self.calls: list[int] = []
+
+    def __call__(self, prompts, sampling: list[SamplingParams]) -> list[Completion]:
+        assert len(sampling) == len(prompts)
+        self.calls.append(len(prompts))
+        return [Completion(i, self.ids, (-0.5,) * len(self.ids), True, 0) for i in range(len(prompts))]
+
+
+def play(name: str, env_class, **settings):
+    tok = qwen2_style_tokenizer()
+    ENVIRONMENTS.register(name)(env_class)
+    try:
+        run = EpisodeRunner(EnvSection(name=name, **settings), tok, eos=tok.eos_token_id)
+        episodes = run.episodes([ROW], EPISODES)
+        engine = Answers(tok)
+        run.play(engine, episodes, SamplingParams(max_tokens=8))
+        return episodes, engine
+    finally:
+        ENVIRONMENTS.remove(name)
+
+
+def test_blocking_environment_calls_wait_concurrently():
+    episodes, engine = play("all_at_once", AllAtOnce)
+    assert [e.stop_reason for e in episodes] == ["done"] * EPISODES
+    assert engine.calls == [EPISODES] * 3  # every episode's turn in one engine call
+
+
+def test_async_environment_calls_are_awaited_together():
+    AsyncAllAtOnce.barrier = None
+
+    async def make_barrier():
+        return asyncio.Barrier(EPISODES)
+
+    from lorarl.trainer.envs.scheduling import event_loop
+
+    AsyncAllAtOnce.barrier = event_loop().run_until_complete(make_barrier())
+    episodes, _ = play("async_all_at_once", AsyncAllAtOnce)
+    assert [sum(e.rewards) for e in episodes] == [1.0] * EPISODES
+
+
+def test_an_episode_does_not_wait_for_another_episodes_environment():
+    SlowFirst.count, SlowFirst.ended = 0, 0
+    SlowFirst.others_done.clear()
+    episodes, engine = play("slow_first", SlowFirst, batch_wait_s=0.01)
+    assert [e.stop_reason for e in episodes] == ["done"] * EPISODES
+    assert len(engine.calls) > 3  # the others' turns went on while episode 0 waited: more, smaller engine calls
+
+
+def test_a_call_past_the_timeout_ends_its_episode_scored_or_stops_the_run_in_one_line():
+    episodes, _ = play("hanging", Hanging, timeout_s=0.2, on_error="score", error_score=-1.0)
+    assert {e.stop_reason for e in episodes} == {"timeout"}
+    assert [e.rewards for e in episodes] == [[-1.0]] * EPISODES
+    assert episode_metrics(episodes)["env/timeouts"] == 1.0
+    with pytest.raises(EnvError, match=r"^the environment \(hanging\) ran out of env.timeout_s=0.2 s in step on the "
+                                       r"episode of train.jsonl line 3 \(env.on_error=score"):  # fmt: skip
+        play("hanging", Hanging, timeout_s=0.2)
+
+
+def test_each_request_samples_with_its_own_stop_length_and_seed_on_the_hf_engine():
+    model = default_task.EMBEDDED["calculator"]
+    tok = load_tokenizer(model)
+    hf = HFWorker(HFSettings(str(model), torch.float32, "cpu", tok.eos_token_id, tok.pad_token_id, 64))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"] for q in ("123*45", "7*8", "350*99")]  # fmt: skip
+    each = [SamplingParams(max_tokens=12, temperature=1.5, seed=seed) for seed in (11, 12, 13)]
+    sampled = hf.generate(prompts, each)
+    # a request's samples are those of its seed, whatever else decodes beside it (alone, or with other prompts)
+    assert hf.generate([prompts[1]], [each[1]])[0].token_ids == sampled[1].token_ids
+    assert hf.generate([prompts[2], prompts[1]], [each[2], each[1]])[1].token_ids == sampled[1].token_ids
+    assert hf.generate(prompts, each) == sampled  # and the same seeds, the same samples
+    # its own stop strings and length: a row of one request is not cut by another's
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    mixed = hf.generate(prompts, [replace(greedy, stop=("</call>",)), replace(greedy, max_tokens=3), greedy])
+    whole = hf.generate(prompts, greedy)
+    call = tok.decode(list(mixed[0].token_ids))
+    assert "</call>" not in call or call.endswith("</call>")
+    assert mixed[1].token_ids == whole[1].token_ids[:3]
+    assert not mixed[1].finished
+    assert mixed[2].token_ids == whole[2].token_ids
