@@ -92,12 +92,12 @@ def correct(completions, answer, **kwargs) -> list[float]:
 # --- the measured runs, each in a process of its own ----------------------------------------------------------------
 
 
-def lorarl_calculator(output: Path, steps: int) -> dict:
+def lorarl_calculator(output: Path, steps: int, overrides: tuple[str, ...] = ()) -> dict:
     from lorarl.trainer.config import load_config
     from lorarl.trainer.loop import Trainer
 
     config = load_config(overrides=["task=calculator", f"trainer.steps={steps}", "trainer.eval_every=0",
-                                    f"trainer.output_dir={output}"])  # fmt: skip
+                                    f"trainer.output_dir={output}", *overrides])  # fmt: skip
     trainer = Trainer(config)
     ends, threads = [], []
     train_step = trainer.train_step

@@ -1,7 +1,7 @@
 """Multi-turn episodes on the real vLLM CPU engine: a stop string ends a turn where the HF engine's decode ends it,
-each request samples with its own seed, stop strings and length, and the embedded calculator task (inline and in a process of
-its own), a TRL environment_factory class, a SkyRL-gym environment and verifiers environments train on vLLM, with
-the engine's log-probs of the action tokens as close to the trainer's as single-turn runs keep them."""
+each request samples with its own seed, stop strings and length, and the embedded calculator task (inline and in a
+process of its own), a TRL environment_factory class, a SkyRL-gym environment and verifiers environments train on
+vLLM, with the engine's log-probs of the action tokens as close to the trainer's as single-turn runs keep them."""
 
 import dataclasses
 import json

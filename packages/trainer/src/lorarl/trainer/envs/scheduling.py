@@ -3,11 +3,11 @@ engine fed with the turns that are waiting.
 
 Real environments are services (a sandbox, a search API, a judge: 0.1–10 s a call). An episode is a coroutine on the
 process's loop (`event_loop`). A plain (blocking) environment call runs on one of `env.concurrency` daemon threads
-(`EnvPool`; daemon, so that a call that never returns cannot hold the process at exit); an `async` one is awaited on
-the loop; either is bounded by `env.timeout_s`. The engine takes the turns waiting (`TurnBatcher`) as one request:
-as soon as no episode is in an environment call — what keeps instant environments' batches the lockstep ones — or
-once the first of them has waited `env.batch_wait_s`. It generates on the loop's thread, while the blocking
-environment calls go on in theirs.
+(`EnvPool`, started as calls wait; daemon, so that a call that never returns cannot hold the process at exit); an
+`async` one is awaited on the loop; either is bounded by `env.timeout_s`. The engine takes the turns waiting
+(`TurnBatcher`) as one request: as soon as no episode is in an environment call — what keeps instant environments'
+batches the lockstep ones — or once the first of them has waited `env.batch_wait_s`. It generates on the loop's
+thread, while the blocking environment calls go on in theirs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ def event_loop() -> asyncio.AbstractEventLoop:
 
 
 class EnvPool:
-    """Up to `size` daemon threads running blocking environment calls, started as calls need them."""
+    """Up to `size` daemon threads running blocking environment calls. Threads start as calls wait for one: the first
+    at once, more once a call has waited `GROW_AFTER_S` (calls that answer at once are served by a few threads, which
+    do not contend for the interpreter; slow ones get a thread each, up to `size`)."""
+
+    GROW_AFTER_S = 0.005
 
     def __init__(self, size: int):
         self.size, self.calls, self.threads, self.idle = size, queue.SimpleQueue(), 0, 0
@@ -39,25 +43,36 @@ class EnvPool:
         """`call()` on one of the threads, awaited on the running loop."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self.lock:
-            if self.idle == 0 and self.threads < self.size:
-                self.threads += 1
-                threading.Thread(target=self._serve, name="lorarl-env", daemon=True).start()
-            else:
-                self.idle -= 1
         self.calls.put((call, loop, future))
+        with self.lock:
+            if self.threads == 0:
+                self._start(1)
+            elif self.calls.qsize() > self.idle:
+                loop.call_later(self.GROW_AFTER_S, self._grow)
         return await future
+
+    def _grow(self) -> None:
+        """A thread for each call still waiting, up to `size` in all."""
+        with self.lock:
+            self._start(min(self.calls.qsize() - self.idle, self.size - self.threads))
+
+    def _start(self, count: int) -> None:
+        for _ in range(max(0, count)):
+            self.threads += 1
+            threading.Thread(target=self._serve, name="lorarl-env", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
+            with self.lock:
+                self.idle += 1
             call, loop, future = self.calls.get()
+            with self.lock:
+                self.idle -= 1
             try:
                 result, error = call(), None
             except BaseException as e:  # handed to the episode whose call it was
                 result, error = None, e
             loop.call_soon_threadsafe(_settle, future, result, error)
-            with self.lock:
-                self.idle += 1
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
