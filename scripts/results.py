@@ -145,6 +145,12 @@ def under_load(rows: list[dict]) -> str:
     return "slowdown against each side's quiet step: " + "; ".join(parts) if parts else f"{len(rows)} rows"
 
 
+def env_latency(rows: list[dict]) -> str:
+    parts = [f"tool {r['tool_delay_s']:g} s: {r['lorarl_s_per_step']:.2f} s/step, {r['speedup_vs_trl']:.2f}x TRL, "
+             f"{r['speedup_vs_one_at_a_time']:.2f}x one call at a time" for r in rows]  # fmt: skip
+    return "; ".join(parts)
+
+
 def gpu_check(rows: list[dict]) -> str:
     return ", ".join(f"{r['check']} {r['status']}" for r in rows if r["check"] != "environment")
 
@@ -163,6 +169,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "decode_head": (ROOT / "benchmarks/results/decode_head.jsonl", decode_head),
     "gradient_checkpointing": (ROOT / "benchmarks/results/gradient_checkpointing.jsonl", gradient_checkpointing),
     "under_load": (ROOT / "benchmarks/results/under_load.jsonl", under_load),
+    "env_latency": (ROOT / "benchmarks/results/env_latency.jsonl", env_latency),
     "gpu_check": (ROOT / "benchmarks/results/gpu_check.jsonl", gpu_check),
     "merge_throughput": (ROOT / "packages/lora_merge/benchmarks/results/merge_throughput.jsonl", merge_throughput),
     "sync_throughput": (ROOT / "packages/weight_sync/benchmarks/results/sync_throughput.jsonl", sync_throughput),
