@@ -3,7 +3,7 @@ calculator task's episodes (`task=calculator`: a turn that calls the tool, its r
 
 Each engine starts in a process of its own — interleaved hf, vllm, hf, vllm — as the trainer starts it inline, with
 the task's model, environment and settings (`data.batch_size` prompts × `rollout.n` episodes each, sampled at
-temperature 1, every turn of the live episodes in one engine call). After one warm-up batch it times `--batches`
+temperature 1, the turns waiting in one engine call). After one warm-up batch it times `--batches`
 batches. Prints one JSON object: per engine the episodes per second, the action tokens per second, turns per episode,
 seconds per batch (median over the runs) and the peak RSS of its whole process tree; `vllm_over_hf` (episodes per
 second, > 1 is vLLM faster).

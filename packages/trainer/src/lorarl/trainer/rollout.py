@@ -121,9 +121,9 @@ class Rollouts:
                 for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
 
     def play(self, step: int, round_: int, first_group: int, version: int) -> list[Sample]:
-        """Multi-turn: `rollout.n` episodes per prompt of the next batch, played to their ends (one engine call per
-        turn), scored — the environment's rewards plus the reward functions' score of the last action — and
-        turned into samples, one per segment (the episode's return on each)."""
+        """Multi-turn: `rollout.n` episodes per prompt of the next batch, played to their ends (each on its own,
+        the turns waiting sampled together), scored — the environment's rewards plus the reward functions' score of
+        the last action — and turned into samples, one per segment (the episode's return on each)."""
         r, a = self.config.rollout, self.config.algorithm
         examples = [self.examples[i] for i in self.sampler.next_batch()]
         sampling = sampling_params(r, step_seed(self.config.trainer.seed, step, round_))
