@@ -181,7 +181,8 @@ def generate_with_hf(
     generator seeded `sampling.seed`; one per prompt (`per_prompt`): each prompt from a stream of its own seed, in
     batches of the prompts that sample alike (temperature, top_p, stop strings, min_tokens)."""
     if isinstance(sampling, SamplingParams):
-        return _generate(model, settings, version, list(prompts), range(len(prompts)), sampling, tokenizer)
+        return _generate(model, settings, version, [list(p) for p in prompts], range(len(prompts)), sampling,
+                         tokenizer)  # fmt: skip
     groups: dict[tuple, list[int]] = {}
     for i, params in enumerate(sampling):
         groups.setdefault((params.n, params.temperature, params.top_p, params.stop, params.min_tokens), []).append(i)
