@@ -53,7 +53,8 @@ def run_worker(side: str, output: Path, steps: int) -> dict:
     overrides = (f"env.tools=[{HERE}:mul]",) + (("env.concurrency=1",) if side == "lorarl_one_at_a_time" else ())
     result = under_load.lorarl_calculator(output, steps, overrides)
     metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    result["tool_calls"] = [m.get("env/tool_calls", 0.0) * 128 for m in metrics]  # per episode x episodes
+    episodes = under_load.CALCULATOR["prompts"] * under_load.CALCULATOR["generations"]
+    result["tool_calls"] = [m.get("env/tool_calls", 0.0) * episodes for m in metrics]  # per episode x episodes
     return result
 
 
@@ -67,9 +68,8 @@ def measured_run(side: str, delay: float, steps: int, workdir: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{side} at a {delay} s delay failed:\n{done.stderr[-4000:]}")
     values = json.loads(result.read_text())
-    ends = values["step_ends"]
-    intervals = [b - a for a, b in zip(ends[WARMUP - 1 :], ends[WARMUP:], strict=False)]
-    return {"s_per_step": statistics.median(intervals), "tool_calls": values.get("tool_calls", [])[WARMUP:]}
+    return {"s_per_step": under_load.seconds_per_step(values["step_ends"], WARMUP),
+            "tool_calls": values.get("tool_calls", [])[WARMUP:]}  # fmt: skip
 
 
 def main() -> None:

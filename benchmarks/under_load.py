@@ -225,9 +225,13 @@ def measured_run(side: str, job: str, steps: int, workdir: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{side} on {job} failed:\n{done.stderr[-4000:]}")
     values = json.loads(result.read_text())
-    ends = values["step_ends"]
-    intervals = [b - a for a, b in zip(ends[WARMUP - 1 :], ends[WARMUP:], strict=False)]
-    return {"s_per_step": statistics.median(intervals), "run_s": run_s, "threads": values.get("threads", [])}
+    return {"s_per_step": seconds_per_step(values["step_ends"], WARMUP), "run_s": run_s,
+            "threads": values.get("threads", [])}  # fmt: skip
+
+
+def seconds_per_step(ends: list[float], warmup: int) -> float:
+    """The median interval between the ends of the steps after the first `warmup` ones."""
+    return statistics.median(b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=False))
 
 
 def measure(job: str, kind: str, count: int, steps: int, workdir: Path) -> dict[str, dict]:

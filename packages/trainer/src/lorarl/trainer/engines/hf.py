@@ -178,7 +178,7 @@ def generate_with_hf(
 ) -> list[Completion]:
     """`n` responses per prompt, batched, seeded; a response ends at `eos`, at one of its `stop` strings (read with
     `tokenizer`, which stop strings need) or at its `max_tokens`. One `SamplingParams` for all prompts draws from one
-    generator seeded `sampling.seed`; one per prompt (`per_prompt`): each prompt from a stream of its own seed, in
+    generator seeded `sampling.seed`; one per prompt: each prompt from a stream of its own seed, in
     batches of the prompts that sample alike (temperature, top_p, stop strings, min_tokens)."""
     if isinstance(sampling, SamplingParams):
         return _generate(model, settings, version, [list(p) for p in prompts], range(len(prompts)), sampling,
