@@ -33,6 +33,7 @@ def run_engine(engine: str, batches: int, dtype: str) -> dict:
 
     from lorarl.trainer import data
     from lorarl.trainer.config import load_config
+    from lorarl.trainer.context import fit_context
     from lorarl.trainer.engines.inline import InlineEngine
     from lorarl.trainer.envs.episodes import episode_runner
     from lorarl.trainer.models import load_tokenizer, resolve_model_path
@@ -41,6 +42,8 @@ def run_engine(engine: str, batches: int, dtype: str) -> dict:
     config = load_config(None, ["task=calculator"])
     model = resolve_model_path(config.model.path)
     tokenizer = load_tokenizer(model)
+    runner = episode_runner(config, tokenizer)
+    fit_context(config, model, runner)
     examples, _ = data.load_examples("train", tokenizer, config.data)
     size, eos, pad = config.data.batch_size, tokenizer.eos_token_id, tokenizer.pad_token_id
     if engine == "hf":
@@ -55,7 +58,6 @@ def run_engine(engine: str, batches: int, dtype: str) -> dict:
         worker = VllmWorker(VllmSettings(str(model), getattr(torch, dtype), 1, 0.5, max_model_len, seed=0,
                                          max_lora_rank=None, devices=None, device="cpu", kv_cache_gb=kv_cache_gb,
                                          inline=True))  # fmt: skip
-    runner = episode_runner(config, tokenizer)
     engine_ = InlineEngine(worker)
     seconds, tokens, turns, episodes = [], [], [], []
     for index in range(batches + 1):

@@ -75,6 +75,19 @@ def test_the_calculator_task_trains_on_vllm(tmp_path, worker):
     assert "val/accuracy" in records[-1]
 
 
+def test_episodes_that_outgrow_a_vllm_engine_capped_lower_end_with_stop_reason_context(tmp_path):
+    """vLLM capped at 20 tokens (rollout.vllm.max_model_len), below the calculator's room of 24 prompt tokens and 40
+    more: where vLLM refused the request mid-run, the episodes it cannot hold end as they end on the HF engine."""
+    out = tmp_path / "out"
+    code = main(["task=calculator", "rollout.engine=vllm", "rollout.dtype=float32", "rollout.vllm.max_model_len=20",
+                 "rollout.vllm.kv_cache_gb=0.1", "data.batch_size=8", "trainer.steps=2", "trainer.eval_every=0",
+                 "rollout.temperature=1.5", f"trainer.output_dir={out}"])  # fmt: skip
+    assert code == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(s["env/stop/context"] > 0 for s in steps)
+    assert max(s["rollout/abs_logp_diff"] for s in steps) < LOGP_DIFF_LIMIT
+
+
 def test_a_trl_environment_trains_on_vllm(tmp_path):
     """TRL's documented `IncrementEnv` (`env=module:Class`, unchanged) on the real engine: the engine's log-probs of
     the action tokens as close to the trainer's as single-turn runs keep them."""

@@ -45,14 +45,14 @@ def qwen2_style_tokenizer():
 
 def chat_model_dir(directory: Path, seed: int = 0, *, head_dim: int = 8) -> Path:
     """A tiny random Qwen2 with the Qwen2-style tokenizer, saved (for the engines; vLLM's CPU attention takes a head
-    size of 32)."""
+    size of 32), with a small real model's 2048 positions (a prompt and the default env.max_tokens fit)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = qwen2_style_tokenizer()
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(VOCAB), hidden_size=4 * head_dim, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)  # fmt: skip
     model = Qwen2ForCausalLM(config)

@@ -12,12 +12,14 @@ import torch
 from chat_fixtures import qwen2_style_tokenizer
 from test_multiturn import ROW
 
-from lorarl.trainer import default_task
+from lorarl.trainer import data, default_task
+from lorarl.trainer.config import load_config
+from lorarl.trainer.context import fit_context
 from lorarl.trainer.engines import Completion, SamplingParams
 from lorarl.trainer.engines.hf import HFSettings, HFWorker
 from lorarl.trainer.envs import ENVIRONMENTS
 from lorarl.trainer.envs.base import Environment, Observation, Step
-from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner, episode_metrics
+from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner, episode_metrics, episode_runner
 from lorarl.trainer.models import load_tokenizer
 from lorarl.trainer.schema import EnvSection
 
@@ -173,3 +175,43 @@ def test_each_request_samples_with_its_own_stop_length_and_seed_on_the_hf_engine
     assert mixed[1].token_ids == whole[1].token_ids[:3]
     assert not mixed[1].finished
     assert mixed[2].token_ids == whole[2].token_ids
+
+
+def calculator_episodes(generate, max_context: int | None, *, rows: int = 16, n: int = 2):
+    """The calculator task's episodes of its first `rows` rows, `n` each, played on `generate` with contexts of at
+    most `max_context` tokens (None: the model's positions)."""
+    config = load_config(None, ["task=calculator"])
+    model = default_task.EMBEDDED["calculator"]
+    tok = load_tokenizer(model)
+    runner = episode_runner(config, tok)
+    positions = fit_context(config, model, runner)
+    runner.bound(config.data.max_prompt_tokens, max_context or positions)
+    examples, _ = data.load_examples("train", tok, config.data)
+    episodes = runner.episodes(examples[:rows], n)
+    runner.play(generate, episodes, SamplingParams(max_tokens=12, temperature=1.0, seed=5))
+    return episodes
+
+
+@pytest.mark.parametrize("limit", [14, 20])  # an action cut (14); an observation that would not fit (20)
+def test_an_episode_that_outgrows_the_engines_context_ends_with_stop_reason_context_on_the_hf_engine(limit):
+    """Each episode cut by a shorter context is the same episode played on the model's 64 positions, up to the cut:
+    its context a prefix, its actions and rewards those before it — ended as `budget` ends one (truncated)."""
+    model = default_task.EMBEDDED["calculator"]
+    tok = load_tokenizer(model)
+    hf = HFWorker(HFSettings(str(model), torch.float32, "cpu", tok.eos_token_id, tok.pad_token_id, 64))
+    free, cut = calculator_episodes(hf.generate, None), calculator_episodes(hf.generate, limit)
+    whole_last_actions = set()  # of the episodes cut: whether the last action was whole (an observation did not fit)
+    for whole, short in zip(free, cut, strict=True):
+        assert len(short.context) <= limit
+        assert all(len(s.prompt) + len(s.tokens) <= limit for s in short.segments)
+        if len(whole.context) <= limit:
+            assert (short.context, short.stop_reason) == (whole.context, whole.stop_reason)
+            continue
+        assert short.stop_reason == "context"
+        assert short.truncated
+        assert short.context == whole.context[: len(short.context)]
+        assert short.rewards == whole.rewards[: len(short.rewards)]
+        assert [a.tokens for a in short.actions[:-1]] == [a.tokens for a in whole.actions[: len(short.actions) - 1]]
+        whole_last_actions.add(short.actions[-1].tokens == whole.actions[len(short.actions) - 1].tokens)
+    assert 0 < episode_metrics(cut)["env/stop/context"] < 1
+    assert whole_last_actions == {limit == 20}

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from lorarl.trainer import data, scoring, threads
+from lorarl.trainer.context import fit_context
 from lorarl.trainer.engines import RolloutEngine
 from lorarl.trainer.envs.episodes import EpisodeRunner, episode_runner
 from lorarl.trainer.rewards import RewardError
@@ -62,13 +63,14 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
     else:
         raise TrainerError(f"{directory}: neither a checkpoint (adapter/ or model/) nor a model directory")
     tokenizer = load_tokenizer(base_path)
+    episodes = episode_runner(config, tokenizer)  # a multi-turn run's environment: its episodes are scored
+    fit_context(config, base_path, episodes)
     examples, _ = data.load_examples("val", tokenizer, config.data)
     examples = examples[: config.data.val_size] if config.data.val_size else examples
     settings = HFSettings(str(base_path), dtype, str(device), tokenizer.eos_token_id, tokenizer.pad_token_id,
                           config.rollout.hf.batch_size)  # fmt: skip
     r, reward = config.rollout, scoring.Rewards(config.reward)
     reward.check_answers(examples)
-    episodes = episode_runner(config, tokenizer)  # a multi-turn run's environment: its episodes are scored
 
     class Checkpoint:  # the model as an engine of weights version 0
         @threads.busy()

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from lorarl.trainer import algorithms, checkpoint, data, scoring, threads
 from lorarl.trainer.config import Config, to_yaml
 from lorarl.trainer.console import Console, summary
+from lorarl.trainer.context import fit_context
 from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
 from lorarl.trainer.envs.episodes import episode_runner
 from lorarl.trainer.evaluation import evaluate
@@ -68,9 +69,11 @@ class Trainer:
         t, r = config.trainer, config.rollout
         _seed_everything(t.seed)
         self.threads = threads.configure(t.threads)  # from here: loading the model counts as its first busy time
-        self.tokenizer = load_tokenizer(resolve_model_path(config.model.path, config.model.gguf_file,
-                                                           config.model.dtype, config.model.revision))  # fmt: skip
+        model_dir = resolve_model_path(config.model.path, config.model.gguf_file, config.model.dtype,
+                                       config.model.revision)  # fmt: skip
+        self.tokenizer = load_tokenizer(model_dir)
         self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
+        fit_context(config, model_dir, self.episodes)  # data.max_prompt_tokens set, or checked
         owns = self.episodes is not None and self.episodes.owns_data
         self.train_set, dropped = data.load_examples("train", self.tokenizer, config.data, env_owns_data=owns)
         self.val_set, val_dropped = data.load_examples("val", self.tokenizer, config.data, env_owns_data=owns)

@@ -50,7 +50,9 @@ class DataSection:
     system_prompt: str | None = option(None, "replaces the prompt's system message ('' = an empty one, overriding "
                                        "a template's default); None: as the data and template have it")  # fmt: skip
     batch_size: int = option(32, "prompts per step (each sampled rollout.n times)", minimum=1)
-    max_prompt_tokens: int = option(512, "longer prompts are dropped (and counted)")
+    max_prompt_tokens: int | None = option(None, "longer prompts are dropped (and counted); None: 512, or the room "
+                                           "the model's positions leave beside rollout.max_tokens (env.max_tokens "
+                                           "with an environment) where that is less", minimum=1)  # fmt: skip
     chat_template: bool = option(True, "apply the tokenizer's chat template when it has one")
     val_size: int = option(500, "validation prompts used per evaluation (0 = all)")
 

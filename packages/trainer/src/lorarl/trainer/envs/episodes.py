@@ -23,7 +23,7 @@ from lorarl.trainer.envs.scheduling import EnvPool, TurnBatcher, event_loop
 from lorarl.trainer.envs.tools import load_tools
 from lorarl.trainer.errors import TrainerError
 
-TRUNCATIONS = ("length", "budget", "max_turns")  # stop reasons of an episode cut short (not finished)
+TRUNCATIONS = ("length", "budget", "context", "max_turns")  # stop reasons of an episode cut short (not finished)
 
 
 class EnvError(TrainerError):
@@ -89,14 +89,19 @@ class EpisodeRunner:
     """The run's environment (`env.name`), its setup (tools, settings), and the episodes' loop."""
 
     def __init__(self, section, tokenizer, *, eos: int, system_prompt: str | None = None,
-                 max_prompt_tokens: int | None = None):  # fmt: skip
+                 max_prompt_tokens: int | None = None, max_context: int | None = None):  # fmt: skip
         entry = ENVIRONMENTS[section.name]
         self.section, self.tokenizer, self.eos = section, tokenizer, eos
-        self.max_prompt_tokens = max_prompt_tokens  # an engine's context is sized by it and env.max_tokens
+        self.bound(max_prompt_tokens, max_context)
         self.environment = entry.environment
         self.setup = EnvSetup(tokenizer, section, entry.settings_in(section), load_tools(section.tools), system_prompt)
         self.owns_data = self.environment.owns_data  # its reset can make the task (data.train_files=[])
         self.pool = EnvPool(section.concurrency)
+
+    def bound(self, max_prompt_tokens: int | None, max_context: int | None) -> None:
+        """The longest first observation (`data.max_prompt_tokens`), and the longest context the engine takes
+        (`context.fit_context`); None: unbounded."""
+        self.max_prompt_tokens, self.max_context = max_prompt_tokens, max_context
 
     def episodes(self, examples: list, n: int) -> list[Episode]:
         """`n` episodes per example, not reset yet (`play` resets them)."""
@@ -143,12 +148,15 @@ class EpisodeRunner:
                 await self._reset(episode)
             turn = 0
             while not episode.done:
-                left = s.max_tokens - episode.spent
-                max_tokens = max(1, min(sampling.max_tokens, left))
+                left, room = s.max_tokens - episode.spent, self._room(episode.context)
+                if room < 1:  # the context fills the engine's: no token fits after it
+                    episode.stop_reason = "context"
+                    break
+                max_tokens = max(1, min(sampling.max_tokens, left, room))
                 params = replace(sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
                                  stop=episode.stop, seed=sampling.seed + 104729 * order + 7919 * turn)  # fmt: skip
                 completion = await batcher.sample(order, episode.context, params)
-                await self._act(episode, completion, left, last_turn=turn == s.max_turns - 1)
+                await self._act(episode, completion, left, room, last_turn=turn == s.max_turns - 1)
                 turn += 1
         finally:
             batcher.finished()
@@ -166,7 +174,11 @@ class EpisodeRunner:
         episode.stop = tuple(observation.stop)
         episode.segments.append(Segment(episode.prompt))
 
-    async def _act(self, episode: Episode, completion, left: int, *, last_turn: bool) -> None:
+    def _room(self, context: tuple[int, ...]) -> int:
+        """How many tokens the engine can still sample after `context`."""
+        return self.max_context - len(context) if self.max_context is not None else 1 << 62
+
+    async def _act(self, episode: Episode, completion, left: int, room: int, *, last_turn: bool) -> None:
         """One action into its episode, and the environment's answer."""
         tokens, logprobs = completion.token_ids[:left], completion.logprobs[:left]
         cut = len(tokens) < len(completion.token_ids)
@@ -177,7 +189,8 @@ class EpisodeRunner:
         episode.actions.append(action)
         episode.versions.append(completion.version)
         episode.context = episode.context + action.tokens
-        truncation = "" if finished else "budget" if cut or left <= len(tokens) else "length"
+        truncation = ("" if finished else "budget" if cut or left <= len(tokens)
+                      else "context" if room <= len(tokens) else "length")  # fmt: skip
         if truncation and not episode.env.steps_truncated:
             episode.stop_reason = truncation
             return
@@ -190,7 +203,7 @@ class EpisodeRunner:
         if step.done:
             episode.stop_reason = step.stop_reason or "done"
             return
-        if truncation == "budget":  # stepped, but no room is left for another action
+        if truncation in ("budget", "context"):  # stepped, but no room is left for another action
             episode.stop_reason = truncation
             return
         if last_turn:
@@ -198,8 +211,11 @@ class EpisodeRunner:
             return
         observation = self._checked(episode, step.observation, Observation, "step's observation")
         following = tuple(observation.tokens)
+        if self._room(following) < 1:  # no room left for another action
+            episode.stop_reason = "context"
+            return
         if len(following) - len(episode.prompt) >= self.section.max_tokens:
-            episode.stop_reason = "budget"  # no room left for another action
+            episode.stop_reason = "budget"
             return
         if following[: len(episode.context)] == episode.context:
             episode.segments[-1].add(following[len(episode.context) :])
@@ -241,7 +257,8 @@ class EpisodeRunner:
 
 
 def episode_runner(config, tokenizer) -> EpisodeRunner | None:
-    """The run's episodes as its configuration (`env`, `data`) describes them; None for single-turn."""
+    """The run's episodes as its configuration (`env`, `data`) describes them (bound by `context.fit_context`: its
+    `bound`); None for single-turn."""
     if config.env.name == SINGLE_TURN:
         return None
     return EpisodeRunner(config.env, tokenizer, eos=tokenizer.eos_token_id, system_prompt=config.data.system_prompt,
