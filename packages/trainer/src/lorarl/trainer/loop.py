@@ -21,6 +21,7 @@ from lorarl.trainer.console import Console, summary
 from lorarl.trainer.context import fit_context
 from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
 from lorarl.trainer.envs.episodes import episode_runner
+from lorarl.trainer.errors import ConfigError
 from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
@@ -37,6 +38,7 @@ from lorarl.trainer.models import (
 from lorarl.trainer.parallel import full_state_dict, gathered_trainable, setup_data_parallel, shard
 from lorarl.trainer.recompute import checkpoint_layers
 from lorarl.trainer.rollout import Rollouts, sampling_params
+from lorarl.trainer.staleness import StaleBatches
 from lorarl.trainer.sync_kinds import AUTO, SYNC_KINDS
 from lorarl.trainer.update import ActorUpdate, to_batch
 from lorarl.trainer.weights import WeightSync, describe_choice
@@ -116,9 +118,14 @@ class Trainer:
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
                                  critic=self.critic)  # fmt: skip
         self.prefetched = None  # a resumed run's next batch, generated before the checkpoint (rollout.overlap)
+        self.resumed_in_flight = None  # a resumed run's batches in flight (rollout.max_staleness)
+        if r.max_staleness and self.dp is not None:
+            raise ConfigError(f"rollout.max_staleness={r.max_staleness} with data-parallel ranks: not yet (one rank)")
         self.start_step = self._resume(resume_from)
         # the engine and what it feeds: on the main rank from `start_engine`; on the others a sync without an engine
-        self.engine: RolloutEngine | None = None
+        self.engine: RolloutEngine | None = None  # the one holding the newest weights (evaluations use it)
+        self.engines: list[RolloutEngine] = []  # more than one with rollout.max_staleness
+        self.stale: StaleBatches | None = None
         self.rollouts: Rollouts | None = None
         self.weights = None if self.is_main else self._weight_sync(None)
         self.samples_log: SamplesLog | None = None  # the main rank's, while it runs with trainer.log_samples
@@ -129,6 +136,8 @@ class Trainer:
         """Rollouts (scored), advantages, the update, then the new weights into the engine."""
         a = self.config.algorithm
         started = time.perf_counter()
+        if self.stale is not None:  # rollout.max_staleness: this step's batch and the next k ones in flight
+            self.stale.start(step, self.weights.version, self.config.trainer.steps)
         samples, metrics = self.rollouts.collect(step, self.weights.version) if self.is_main else (None, None)
         if self.dp is not None:
             samples, metrics = self.dp.broadcast((samples, metrics))
@@ -153,6 +162,8 @@ class Trainer:
             keep_next()
             rollout_s += time.perf_counter() - waited
         sync_started = time.perf_counter()
+        if self.stale is not None:  # the engine whose batch this step trained on takes the new weights
+            self.engine, self.weights = self.stale.engine_after(step)
         with threads.busy():
             stats = self.weights.sync(version=step)
         return {
@@ -204,7 +215,8 @@ class Trainer:
                 chosen = self._choose_sync() if self.config.rollout.sync == AUTO else {}
                 if chosen:
                     console.say(describe_choice(chosen))
-                self.weights.sync()  # the engine starts from disk: give it this run's weights (an adapter, a resume)
+                for sync in self.syncs:  # an engine starts from disk: give it this run's weights (an adapter, a resume)
+                    sync.sync()
                 first_eval = self.evaluate() if t.eval_every else {}
                 if (first_eval or chosen) and self.start_step == 0:
                     log.log(0, {**chosen, **first_eval})
@@ -220,7 +232,8 @@ class Trainer:
                         stopped_at = step
                         break
         finally:
-            self.engine.close()
+            for engine in self.engines:
+                engine.close()
             self.reward.close()
             log.close()
             if self.samples_log is not None:
@@ -263,12 +276,17 @@ class Trainer:
                                 tuple(sorted({kind.form for kind in kinds})), lora_rank, r.overlap,
                                 self.config.data.batch_size * r.n,
                                 self.config.data.max_prompt_tokens + self.actor.norm_len, t.threads)  # fmt: skip
-        engine = start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
-        self.engine = engine
-        self.rollouts = Rollouts(self.config, engine, self.train_set, self.sampler, self.tokenizer, self.reward,
+        self.engines = [start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
+                        for _ in range(r.max_staleness + 1)]  # fmt: skip
+        self.syncs = [self._weight_sync(engine) for engine in self.engines]
+        newest = self.start_step % len(self.engines)  # (with rollout.max_staleness: not one of a resumed batch's)
+        self.engine, self.weights = self.engines[newest], self.syncs[newest]
+        self.rollouts = Rollouts(self.config, self.engine, self.train_set, self.sampler, self.tokenizer, self.reward,
                                  prefetched=self.prefetched, episodes=self.episodes)  # fmt: skip
-        self.weights = self._weight_sync(engine)
-        return engine
+        if r.max_staleness:
+            self.stale = StaleBatches(r.max_staleness, self.model, self.engines, self.syncs, self.rollouts,
+                                      self.resumed_in_flight)  # fmt: skip
+        return self.engine
 
     def _weight_sync(self, engine: RolloutEngine | None) -> WeightSync:
         sync = self.config.rollout.sync
@@ -309,6 +327,10 @@ class Trainer:
         if not self.is_main:
             return None
         state.update({"sampler": self.sampler.state_dict(), "prefetched": self.rollouts.prefetched})
+        if self.stale is not None:  # the batches in flight start again on resuming, drawn again from here
+            in_flight = self.rollouts.in_flight
+            state.update({"in_flight": self.stale.state(),
+                          "sampler": in_flight[min(in_flight)].sampler_state if in_flight else state["sampler"]})
 
         def write_weights(directory: Path) -> None:
             checkpoint.save_policy(directory, self.model, is_lora=self.policy.is_lora, weights=weights)
@@ -328,6 +350,7 @@ class Trainer:
             self.actor.critic_optimizer.load_state_dict(self.critic.modules, state["critic"])
         self.sampler.load_state_dict(state["sampler"])
         self.prefetched = state.get("prefetched")
+        self.resumed_in_flight = state.get("in_flight")
         self.console.say(f"resumed from {path} (step {state['step']})")
         return state["step"]
 

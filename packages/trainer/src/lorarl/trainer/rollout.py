@@ -2,7 +2,9 @@
 prompts until enough groups carry a learning signal. Every completion's weight version is checked, so the trainer
 never trains on rollouts of stale weights."""
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -29,6 +31,17 @@ class Sample:
     episode: int | None = None  # an episode's number in the step, shared by the samples it split into
 
 
+@dataclass
+class Batch:
+    """A step's batch on its way (`rollout.max_staleness`): its prompts, drawn, generating on an engine of its own
+    from weights `version`; `wait()` gives its completions, or its episodes played to their ends."""
+
+    version: int
+    indices: list[int]
+    wait: Callable[[], list]
+    sampler_state: dict  # the sampler before the batch was drawn: a checkpoint resumes from there
+
+
 class Rollouts:
     """Draws the training prompts (`sampler`), has `engine` answer them `rollout.n` times, scores the answers."""
 
@@ -42,6 +55,7 @@ class Rollouts:
         self.prefetched = prefetched  # the next step's batch (rollout.overlap)
         self.episodes = episodes  # multi-turn: the environment's runner (None: single-turn)
         self.played: list[Episode] = []  # this step's episodes, for their metrics
+        self.in_flight: dict[int, Batch] = {}  # rollout.max_staleness: the batches of the steps ahead, by step
 
     def collect(self, step: int, version: int) -> tuple[list[Sample], dict]:
         """Rollouts of a batch of prompts, scored, from weights `version` (or one behind, with overlap). With dynamic
@@ -92,18 +106,36 @@ class Rollouts:
 
         return keep
 
+    def start(self, step: int, engine: RolloutEngine, version: int) -> None:
+        """`rollout.max_staleness`: draw step `step`'s batch now and have `engine`, which holds weights `version` and
+        nothing else to do, generate it beside the training (its episodes play on a thread of their own)."""
+        before = self.sampler.state_dict()
+        indices = self.sampler.next_batch()
+        r = self.config.rollout
+        sampling = sampling_params(r, step_seed(self.config.trainer.seed, step))
+        if self.episodes is None:
+            wait = engine.submit([self.examples[i].prompt_ids for i in indices], sampling)
+        else:
+            examples = [self.examples[i] for i in indices]
+            wait = in_background(lambda: play_episodes(engine, self.episodes, examples, r.n, sampling, version))
+        self.in_flight[step] = Batch(version, indices, wait, before)
+
     def generate(self, step: int, round_: int, first_group: int, version: int) -> list[Sample]:
-        """One batch of prompts, `rollout.n` responses each (generated during the last step with `rollout.overlap`),
-        scored (and overlong-shaped)."""
+        """One batch of prompts, `rollout.n` responses each (generated during the last step with `rollout.overlap`,
+        or during the last k with `rollout.max_staleness`), scored (and overlong-shaped)."""
         r, a = self.config.rollout, self.config.algorithm
+        batch = self.in_flight.pop(step, None) if round_ == 0 else None
         if self.episodes is not None:
-            return self.play(step, round_, first_group, version)
-        if round_ == 0 and self.prefetched is not None:
+            return self.play(step, round_, first_group, version, batch)
+        lag = int(r.overlap)
+        if batch is not None:
+            indices, completions, version, lag = batch.indices, batch.wait(), batch.version, 0
+        elif round_ == 0 and self.prefetched is not None:
             (indices, completions), self.prefetched = self.prefetched, None
         else:
             indices, wait = self.request(step, round_)
             completions = wait()
-        check_versions(completions, version, lag=int(r.overlap))
+        check_versions(completions, version, lag=lag)
         examples = [self.examples[i] for i in indices]
         chosen = [examples[c.prompt_index] for c in completions]
         scores = self.reward.score(responses(chosen, completions, self.tokenizer))
@@ -120,14 +152,18 @@ class Rollouts:
                        None if baselines is None else baselines[c.prompt_index], score)
                 for e, c, score, penalty in zip(chosen, completions, scores, penalties, strict=True)]  # fmt: skip
 
-    def play(self, step: int, round_: int, first_group: int, version: int) -> list[Sample]:
-        """Multi-turn: `rollout.n` episodes per prompt of the next batch, played to their ends (each on its own,
-        the turns waiting sampled together), scored — the environment's rewards plus the reward functions' score of
-        the last action — and turned into samples, one per segment (the episode's return on each)."""
+    def play(self, step: int, round_: int, first_group: int, version: int, batch: Batch | None = None) -> list[Sample]:
+        """Multi-turn: `rollout.n` episodes per prompt of the next batch (or of `batch`, in flight), played to their
+        ends (each on its own, the turns waiting sampled together), scored — the environment's rewards plus the
+        reward functions' score of the last action — and turned into samples, one per segment (the episode's return
+        on each)."""
         r, a = self.config.rollout, self.config.algorithm
-        examples = [self.examples[i] for i in self.sampler.next_batch()]
-        sampling = sampling_params(r, step_seed(self.config.trainer.seed, step, round_))
-        episodes = play_episodes(self.engine, self.episodes, examples, r.n, sampling, version)
+        if batch is not None:
+            examples, episodes, version = [self.examples[i] for i in batch.indices], batch.wait(), batch.version
+        else:
+            examples = [self.examples[i] for i in self.sampler.next_batch()]
+            sampling = sampling_params(r, step_seed(self.config.trainer.seed, step, round_))
+            episodes = play_episodes(self.engine, self.episodes, examples, r.n, sampling, version)
         scores = self.reward.score(final_responses(episodes, self.tokenizer))
         returns = episode_returns(episodes, scores)
         penalties = [0.0] * len(episodes)
@@ -167,6 +203,21 @@ def play_episodes(engine: RolloutEngine, runner: EpisodeRunner, examples: list[d
     episodes = runner.episodes(examples, n)
     runner.play(generate, episodes, sampling)
     return episodes
+
+
+def in_background(call: Callable[[], list]) -> Callable[[], list]:
+    """`call()` on a daemon thread of its own (one that never returns, an environment's, cannot hold the process at
+    exit); what waits for its result (or raises its exception)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as e:  # raised where it is waited for
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="lorarl-batch", daemon=True).start()
+    return future.result
 
 
 def final_responses(episodes: list[Episode], tokenizer) -> list[rewards.Response]:

@@ -89,6 +89,9 @@ class RolloutSection:
                            "algorithm.rollout_correction")  # fmt: skip
     replicas: int = option(1, "rollout engine replicas, prompts spread across them (> 1 needs trainer.backend=ray)",
                            minimum=1)  # fmt: skip
+    max_staleness: int = option(0, "k > 0: the batch of step i comes from the weights of step i-k, each batch on an "
+                                "engine of its own (k + 1 engines): k batches play on while the trainer trains, "
+                                "corrected by algorithm.rollout_correction (0: on-policy)", minimum=0)  # fmt: skip
 
 
 @dataclass

@@ -127,9 +127,11 @@ def check_rules(config: Config) -> None:
     if env.name == "verifiers" and not env.verifiers.id:
         raise ConfigError("env=verifiers needs env.verifiers.id: an installed verifiers environment's id, or an import "
                           "path to a vf.Environment or a function returning one")  # fmt: skip
+    if r.max_staleness:
+        check_staleness(config)
     if not single_turn and r.overlap:
         raise ConfigError("rollout.overlap does not play multi-turn episodes (env.name): each turn waits for the "
-                          "environment; set rollout.overlap=false")  # fmt: skip
+                          "environment; set rollout.max_staleness=1 instead")  # fmt: skip
     env_buffer = overlong_buffer(a.overlong_buffer_frac, env.max_tokens)
     if not single_turn and a.overlong_buffer_frac > 0 and env_buffer >= env.max_tokens:
         raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac}: with an environment the buffer "
@@ -140,3 +142,27 @@ def check_rules(config: Config) -> None:
     if requires and t.backend != "ray" and importlib.util.find_spec(requires[0]) is None:  # Ray may place it elsewhere
         raise ConfigError(f"rollout.engine={r.engine} needs {requires[0]}, which this Python ({sys.executable}) "
                           f"cannot import: {requires[1]}")  # fmt: skip
+
+
+def check_staleness(config: Config) -> None:
+    """`rollout.max_staleness`: batches generated beside the training, each from one exact earlier version."""
+    r, a, k = config.rollout, config.algorithm, config.rollout.max_staleness
+    from lorarl.trainer.algorithms import ADVANTAGES
+    from lorarl.trainer.engines import placement
+
+    rules = [
+        (r.overlap, "and rollout.overlap: set one (overlap is one batch ahead on one engine)"),
+        (a.rollout_correction == "none", "trains on rollouts of earlier weights: set "
+                                         "algorithm.rollout_correction=token (or sequence) to correct for that"),
+        (placement(r, config.trainer.backend) == "inline", "generates beside the training: it needs "
+                                                           "rollout.worker=process"),
+        (a.dynamic_sampling, "draws each step's batch ahead of it: algorithm.dynamic_sampling draws more as it goes"),
+        (ADVANTAGES[a.adv_estimator].needs_greedy_baseline, f"and algorithm.adv_estimator={a.adv_estimator}: its "
+                                                            "greedy baseline is generated on the current weights"),
+        (r.sync == "auto", "starts k + 1 engines: name the sync kind (rollout.sync=merged, factors or adapter)"),
+        (r.replicas > 1, "and rollout.replicas: one engine per batch in flight already"),
+        (config.trainer.backend == "ray", "runs its engines as processes (trainer.backend=ray: not yet)"),
+    ]  # fmt: skip
+    for broken, why in rules:
+        if broken:
+            raise ConfigError(f"rollout.max_staleness={k} {why}")

@@ -1,8 +1,8 @@
 """What lets a batch's episodes run on their own: one event loop, environment calls that wait concurrently, and the
 engine fed with the turns that are waiting.
 
-Real environments are services (a sandbox, a search API, a judge: 0.1–10 s a call). An episode is a coroutine on the
-process's loop (`event_loop`). A plain (blocking) environment call runs on one of `env.concurrency` daemon threads
+Real environments are services (a sandbox, a search API, a judge: 0.1–10 s a call). An episode is a coroutine on its
+thread's loop (`event_loop`). A plain (blocking) environment call runs on one of `env.concurrency` daemon threads
 (`EnvPool`, started as calls wait; daemon, so that a call that never returns cannot hold the process at exit); an
 `async` one is awaited on the loop; either is bounded by `env.timeout_s`. The engine takes the turns waiting
 (`TurnBatcher`) as one request: as soon as no episode is in an environment call — what keeps instant environments'
@@ -13,7 +13,6 @@ thread, while the blocking environment calls go on in theirs.
 from __future__ import annotations
 
 import asyncio
-import functools
 import queue
 import threading
 import time
@@ -21,11 +20,15 @@ from collections.abc import Callable, Sequence
 
 from lorarl.trainer.engines.base import Completion, SamplingParams
 
+_loops = threading.local()
 
-@functools.cache
+
 def event_loop() -> asyncio.AbstractEventLoop:
-    """The loop every episode runs on (in this process); it runs while lorarl plays a batch's episodes."""
-    return asyncio.new_event_loop()
+    """The loop a batch's episodes run on: one per thread (batches in flight beside the training,
+    `rollout.max_staleness`, each play on a thread of their own), kept, as episodes' async clients may hold on to it."""
+    if getattr(_loops, "loop", None) is None:
+        _loops.loop = asyncio.new_event_loop()
+    return _loops.loop
 
 
 class EnvPool:
