@@ -46,7 +46,9 @@ STALE = ("rollout.worker=process", "algorithm.rollout_correction=token")
 
 class Paced(Environment):
     """`LORARL_BENCH_TURNS` turns, each step answering after `LORARL_BENCH_LATENCY_S` seconds: the next observation is
-    the context so far (the model continues it)."""
+    the context so far (the model continues it; an action cut at its length is stepped too)."""
+
+    steps_truncated = True
 
     def reset(self, example) -> Observation:
         self.context, self.turn = tuple(example.prompt_ids), 0

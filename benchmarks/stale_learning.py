@@ -64,13 +64,13 @@ def main() -> None:
     target = statistics.mean(final[0].values())
     for k in SIDES:
         hits = {seed: reached(rows, target) for seed, rows in runs[k].items()}
+        steps_s = [r["timing/step_s"] for rows in runs[k].values() for r in rows if "timing/step_s" in r]
         print(json.dumps({"task": "calculator", "steps": steps, "max_staleness": k, "seeds": seeds,
                           "target_accuracy": target, "final_accuracy": list(final[k].values()),
                           "mean_final_accuracy": statistics.mean(final[k].values()),
                           "reached_step": [h["step"] for h in hits.values()],
                           "reached_train_s": [h["train_s"] for h in hits.values()],
-                          "s_per_step": statistics.median(r["timing/step_s"] for rows in runs[k].values()
-                                                          for r in rows if "timing/step_s" in r)}), flush=True)  # fmt: skip
+                          "s_per_step": statistics.median(steps_s)}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

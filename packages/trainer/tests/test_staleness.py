@@ -64,7 +64,54 @@ def test_a_batch_from_another_weight_version_is_refused():
                                 "rollout.worker=process"),
     (["algorithm=dapo"], "rollout.max_staleness=1 draws each step's batch ahead of it"),
     (["rollout.sync=auto"], "rollout.max_staleness=1 starts k + 1 engines: name the sync kind"),
+    (["rollout.max_staleness=0", "rollout.in_flight_updates=true"], "rollout.in_flight_updates moves an episode to "
+                                                                    "newer weights at its next turn: it needs"),
 ])  # fmt: skip
 def test_settings_that_cannot_run_stale_are_refused_in_one_line(tmp_path, capsys, extra, message):
     assert main([*STALE, "rollout.max_staleness=1", *extra, f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    assert not (tmp_path / "out").exists()
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"error: {message}")
+
+
+SLOW_TURNS = '''
+import time
+
+from lorarl.trainer.envs.base import Environment, Observation, Step
+
+
+class SlowTurns(Environment):
+    """Three turns (an action cut at its length is stepped too), each step answering after 0.3 s: a batch's turns
+    span the trainer's updates."""
+
+    steps_truncated = True
+
+    def reset(self, example):
+        self.context, self.turn = tuple(example.prompt_ids), 0
+        return Observation(self.context)
+
+    def step(self, action):
+        time.sleep(0.3)
+        self.context, self.turn = self.context + action.tokens, self.turn + 1
+        if self.turn == 3:
+            return Step(reward=float(action.eos), done=True)
+        return Step(observation=Observation(self.context))
+'''
+
+
+def test_in_flight_updates_move_an_episode_to_newer_weights_at_its_next_turn(tmp_path):
+    """Plain, every action of a batch comes from its version, k behind; with in-flight updates, the turns after an
+    update come from the newer weights: the actions' mean lag falls below the batch's."""
+    (tmp_path / "slow.py").write_text(SLOW_TURNS)
+    common = ["rollout.worker=process", "algorithm.rollout_correction=token", "rollout.max_staleness=1",
+              f"env={tmp_path / 'slow.py'}:SlowTurns", "env.max_turns=3", "env.max_tokens=24", "rollout.max_tokens=4",
+              "data.batch_size=4", "rollout.n=2", "trainer.steps=4", "trainer.eval_every=0"]  # fmt: skip
+    plain, moving = tmp_path / "plain", tmp_path / "moving"
+    assert main([*common, f"trainer.output_dir={plain}"]) == 0
+    assert main([*common, "rollout.in_flight_updates=true", f"trainer.output_dir={moving}"]) == 0
+    for step in steps_of(plain).values():
+        assert step["rollout/action_version_lag"] == step["rollout/version_lag"]
+    later = [s for i, s in steps_of(moving).items() if i >= 2]
+    assert all(s["env/turns"] == 3 for s in later)
+    assert all(s["rollout/version_lag"] == 1 for s in later)  # an episode's first action: its batch's weights
+    assert all(s["rollout/action_version_lag"] <= 1 for s in later)
+    assert min(s["rollout/action_version_lag"] for s in later) < 1  # a batch whose turns met an update took it

@@ -162,10 +162,12 @@ class Trainer:
             keep_next()
             rollout_s += time.perf_counter() - waited
         sync_started = time.perf_counter()
-        if self.stale is not None:  # the engine whose batch this step trained on takes the new weights
-            self.engine, self.weights = self.stale.engine_after(step)
         with threads.busy():
-            stats = self.weights.sync(version=step)
+            if self.stale is not None:  # the engine whose batch this step trained on takes the new weights
+                stats = self.stale.sync(step)
+                self.engine, self.weights = self.stale.newest_engine()
+            else:
+                stats = self.weights.sync(version=step)
         return {
             **metrics,
             "lr": self.actor.optimizer.lr,
@@ -285,7 +287,8 @@ class Trainer:
                                  prefetched=self.prefetched, episodes=self.episodes)  # fmt: skip
         if r.max_staleness:
             self.stale = StaleBatches(r.max_staleness, self.model, self.engines, self.syncs, self.rollouts,
-                                      self.resumed_in_flight)  # fmt: skip
+                                      self.resumed_in_flight, in_flight_updates=r.in_flight_updates,
+                                      newest=newest)  # fmt: skip
         return self.engine
 
     def _weight_sync(self, engine: RolloutEngine | None) -> WeightSync:
@@ -299,10 +302,12 @@ class Trainer:
         return self.weights.choose(lambda: self.engine.generate(prompts, sampling))
 
     def evaluate(self) -> dict:
-        """Greedy answers to the validation prompts: mean reward and accuracy."""
-        return evaluate(self.engine, self.val_set, self.tokenizer, self.reward,
-                        max_tokens=self.config.rollout.max_tokens, version=self.weights.version,
-                        episodes=self.episodes)  # fmt: skip
+        """Greedy answers to the validation prompts: mean reward and accuracy (on the engine holding the newest
+        weights; with rollout.in_flight_updates, while the batches in flight wait for it)."""
+        with self.stale.locks[self.stale.newest] if self.stale is not None else contextlib.nullcontext():
+            return evaluate(self.engine, self.val_set, self.tokenizer, self.reward,
+                            max_tokens=self.config.rollout.max_tokens, version=self.weights.version,
+                            episodes=self.episodes)  # fmt: skip
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
 

@@ -87,6 +87,9 @@ class Rollouts:
             metrics.update({"sampling/rounds": round_ + 1, "sampling/prompts": groups,
                             "sampling/kept_groups": len(chosen)})  # fmt: skip
         metrics["rollout/version_lag"] = max(version - s.completion.version for s in kept)
+        if self.played:  # an episode's actions may come from several versions (rollout.in_flight_updates)
+            lags = [version - v for e in self.played for v in e.versions]
+            metrics["rollout/action_version_lag"] = sum(lags) / max(1, len(lags))
         return kept, metrics
 
     def request(self, step: int, round_: int) -> tuple[list[int], Callable[[], list[Completion]]]:
@@ -106,9 +109,10 @@ class Rollouts:
 
         return keep
 
-    def start(self, step: int, engine: RolloutEngine, version: int) -> None:
+    def start(self, step: int, engine: RolloutEngine, version: int, *, newer: bool = False) -> None:
         """`rollout.max_staleness`: draw step `step`'s batch now and have `engine`, which holds weights `version` and
-        nothing else to do, generate it beside the training (its episodes play on a thread of their own)."""
+        nothing else to do, generate it beside the training (its episodes play on a thread of their own); `newer`:
+        its turns may come from newer weights (`rollout.in_flight_updates`: `engine` checks each reply's)."""
         before = self.sampler.state_dict()
         indices = self.sampler.next_batch()
         r = self.config.rollout
@@ -117,7 +121,8 @@ class Rollouts:
             wait = engine.submit([self.examples[i].prompt_ids for i in indices], sampling)
         else:
             examples = [self.examples[i] for i in indices]
-            wait = in_background(lambda: play_episodes(engine, self.episodes, examples, r.n, sampling, version))
+            checked = None if newer else version
+            wait = in_background(lambda: play_episodes(engine, self.episodes, examples, r.n, sampling, checked))
         self.in_flight[step] = Batch(version, indices, wait, before)
 
     def generate(self, step: int, round_: int, first_group: int, version: int) -> list[Sample]:
@@ -182,7 +187,7 @@ class Rollouts:
             baseline = None if baselines is None else baselines[episode.index]
             for segment in episode.segments:
                 completion = Completion(episode.index, tuple(segment.tokens), tuple(segment.logprobs),
-                                        not episode.truncated, min(episode.versions, default=version))  # fmt: skip
+                                        not episode.truncated, min(segment.versions, default=version))  # fmt: skip
                 samples.append(Sample(list(segment.prompt), completion, first_group + episode.index, total,
                                       total + penalty, baseline, score, tuple(segment.mask),
                                       len(self.played) + number))  # fmt: skip
@@ -191,13 +196,14 @@ class Rollouts:
 
 
 def play_episodes(engine: RolloutEngine, runner: EpisodeRunner, examples: list[data.Example], n: int,
-                  sampling: SamplingParams, version: int, lag: int = 0) -> list[Episode]:  # fmt: skip
+                  sampling: SamplingParams, version: int | None, lag: int = 0) -> list[Episode]:  # fmt: skip
     """`n` episodes per example, played on `engine` to their ends, every action checked to come from weights
-    `version` (or `lag` before)."""
+    `version` (or `lag` before; None: `engine` checks them itself)."""
 
     def generate(prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         completions = engine.generate(prompts, params)
-        check_versions(completions, version, lag=lag)
+        if version is not None:
+            check_versions(completions, version, lag=lag)
         return completions
 
     episodes = runner.episodes(examples, n)

@@ -92,6 +92,10 @@ class RolloutSection:
     max_staleness: int = option(0, "k > 0: the batch of step i comes from the weights of step i-k, each batch on an "
                                 "engine of its own (k + 1 engines): k batches play on while the trainer trains, "
                                 "corrected by algorithm.rollout_correction (0: on-policy)", minimum=0)  # fmt: skip
+    in_flight_updates: bool = option(False, "with rollout.max_staleness and an environment: every turn is sampled by "
+                                     "the engine holding the newest weights, so an episode takes them at its next "
+                                     "turn (PipelineRL); each action keeps its version; runs do not repeat "
+                                     "exactly")  # fmt: skip
 
 
 @dataclass

@@ -8,17 +8,25 @@ version, checked exactly; the loss's importance correction (`algorithm.rollout_c
 
 A checkpoint keeps the trainable weights the batches in flight were started from, and the sampler before the first
 of them: a resumed run starts them again from those weights and repeats an uninterrupted one.
+
+`rollout.in_flight_updates` (PipelineRL's in-flight updates): every turn goes to the engine holding the newest
+weights instead, so an episode takes them at its next turn; each action keeps the version that sampled it (the
+batch's at the least), and the engines take turns and syncs one at a time (a lock each). Which turn meets which
+weights depends on timing: such runs do not repeat exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from lorarl.trainer.engines import RolloutEngine
-from lorarl.trainer.rollout import Rollouts
+from lorarl.trainer.engines import Completion, RolloutEngine
+from lorarl.trainer.engines.base import Sampling
+from lorarl.trainer.rollout import Rollouts, check_versions
 from lorarl.trainer.weights import WeightSync
 
 
@@ -39,8 +47,11 @@ class StaleBatches:
     of each version a batch in flight was started from."""
 
     def __init__(self, k: int, model: nn.Module, engines: list[RolloutEngine], syncs: list[WeightSync],
-                 rollouts: Rollouts, resumed: dict | None = None):  # fmt: skip
+                 rollouts: Rollouts, resumed: dict | None = None, *, in_flight_updates: bool = False,
+                 newest: int = 0):  # fmt: skip
         self.k, self.model, self.engines, self.syncs, self.rollouts = k, model, engines, syncs, rollouts
+        self.in_flight_updates, self.newest = in_flight_updates, newest  # the engine holding the newest weights
+        self.locks = [threading.Lock() for _ in engines]
         self.weights: dict[int, dict[str, torch.Tensor]] = dict(resumed["weights"]) if resumed else {}
         self.resumed_versions: dict[int, int] = dict(resumed["versions"]) if resumed else {}
 
@@ -57,13 +68,23 @@ class StaleBatches:
             if sync.version != batch_version:  # a resumed run's batch: its engine takes the weights it had
                 with self._weights_of(batch_version):
                     sync.sync(version=batch_version)
-            self.rollouts.start(i, engine, batch_version)
+            if self.in_flight_updates:
+                self.rollouts.start(i, NewestEngine(self), batch_version, newer=True)
+            else:
+                self.rollouts.start(i, engine, batch_version)
         in_use = {batch.version for batch in self.rollouts.in_flight.values()} | {version}
         self.weights = {v: w for v, w in self.weights.items() if v in in_use}
 
-    def engine_after(self, step: int) -> tuple[RolloutEngine, WeightSync]:
-        """The engine (and its sync) that takes the weights of `step`: the one whose batch `step` has ended."""
-        return self.engines[step % (self.k + 1)], self.syncs[step % (self.k + 1)]
+    def sync(self, step: int):
+        """The weights of `step` into the engine whose batch `step` has ended, which then holds the newest."""
+        index = step % (self.k + 1)
+        with self.locks[index]:
+            stats = self.syncs[index].sync(version=step)
+        self.newest = index
+        return stats
+
+    def newest_engine(self) -> tuple[RolloutEngine, WeightSync]:
+        return self.engines[self.newest], self.syncs[self.newest]
 
     def state(self) -> dict:
         """What a checkpoint keeps: each batch in flight's version, and those versions' trainable weights."""
@@ -78,3 +99,18 @@ class StaleBatches:
             yield
         finally:
             load_trainable(self.model, now)
+
+
+class NewestEngine:
+    """`rollout.in_flight_updates`: a batch's turns, each sampled by the engine holding the newest weights then (its
+    reply checked to be of the version that engine was sent)."""
+
+    def __init__(self, batches: StaleBatches):
+        self.batches = batches
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+        index = self.batches.newest
+        with self.batches.locks[index]:
+            completions = self.batches.engines[index].generate(prompts, sampling)
+            check_versions(completions, self.batches.syncs[index].version)
+        return completions

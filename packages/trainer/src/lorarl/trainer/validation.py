@@ -129,6 +129,9 @@ def check_rules(config: Config) -> None:
                           "path to a vf.Environment or a function returning one")  # fmt: skip
     if r.max_staleness:
         check_staleness(config)
+    if r.in_flight_updates and (not r.max_staleness or single_turn):
+        raise ConfigError("rollout.in_flight_updates moves an episode to newer weights at its next turn: it needs "
+                          "rollout.max_staleness >= 1 and an environment (env.name)")  # fmt: skip
     if not single_turn and r.overlap:
         raise ConfigError("rollout.overlap does not play multi-turn episodes (env.name): each turn waits for the "
                           "environment; set rollout.max_staleness=1 instead")  # fmt: skip

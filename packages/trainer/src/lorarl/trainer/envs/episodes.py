@@ -38,12 +38,16 @@ class Segment:
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weights of each action in it
 
-    def add(self, tokens, logprobs=None) -> None:
-        """Append sampled `tokens` with the engine's `logprobs`, or (without) tokens the environment appended."""
+    def add(self, tokens, logprobs=None, version: int | None = None) -> None:
+        """Append sampled `tokens` with the engine's `logprobs` and weight `version`, or (without) tokens the
+        environment appended."""
         self.tokens += tokens
         self.mask += [logprobs is not None] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        if version is not None:
+            self.versions.append(version)
 
 
 @dataclass
@@ -59,7 +63,6 @@ class Episode:
     segments: list[Segment] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # each turn's
-    versions: list[int] = field(default_factory=list)  # the weights of each action
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str = ""
 
@@ -75,6 +78,11 @@ class Episode:
     def spent(self) -> int:
         """Tokens after the first observation: what counts against `env.max_tokens`."""
         return len(self.context) - len(self.prompt)
+
+    @property
+    def versions(self) -> list[int]:
+        """The weights of each action."""
+        return [version for segment in self.segments for version in segment.versions]
 
     @property
     def action_tokens(self) -> int:
@@ -185,9 +193,8 @@ class EpisodeRunner:
         finished = completion.finished and not cut
         eos = finished and tokens[-1] == self.eos
         action = Action(tuple(tokens), self.tokenizer.decode(list(tokens)), eos, finished and not eos, tuple(logprobs))
-        episode.segments[-1].add(tokens, logprobs)
+        episode.segments[-1].add(tokens, logprobs, completion.version)
         episode.actions.append(action)
-        episode.versions.append(completion.version)
         episode.context = episode.context + action.tokens
         truncation = ("" if finished else "budget" if cut or left <= len(tokens)
                       else "context" if room <= len(tokens) else "length")  # fmt: skip
