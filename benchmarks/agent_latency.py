@@ -10,10 +10,11 @@ Parts (`--parts`), each run a fresh process, the sides of a part interleaved, `-
 - `staleness`: the same at 1 s and 3 turns (sync), with `rollout.worker=process` and `env.concurrency=768` (threads
   for the 256 episodes of each of 3 batches in flight): `rollout.max_staleness=1` and `2`,
   and `2` with `rollout.in_flight_updates`, against on-policy (`0`): steps per second as a ratio, and the actions' mean
-  version lag.
+  version lag. Stale steps alternate (batches started together end together), so this part times twice `--steps`
+  and takes the mean step (the elapsed time over the steps), not the median interval.
 - `trl`: the calculator task with its `mul` tool answering after 0.1 s (env_latency.py's job), lorarl on-policy and
-  with `rollout.max_staleness=1` against TRL 1.16's `GRPOTrainer` (`environment_factory`): seconds per step and the
-  peak resident memory of each run's process tree, as ratios.
+  with `rollout.max_staleness=1` (its two HF engines in the trainer's process) against TRL 1.16's `GRPOTrainer`
+  (`environment_factory`): seconds per step and the peak resident memory of each run's process tree, as ratios.
 
 Seconds per step: the median over runs of the median interval between step ends after a warm-up step.
 
@@ -114,9 +115,11 @@ def measured(job: str, overrides: tuple[str, ...], latency: float, turns: int, s
                "--result", str(result), "--overrides", json.dumps(list(overrides))]  # fmt: skip
     peak = run_measured(command, f"{job} {' '.join(overrides)} at {latency} s")
     ends = json.loads(result.read_text())["step_ends"]
-    metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    logged = output / "metrics.jsonl"  # lorarl's (TRL logs elsewhere)
+    metrics = [json.loads(line) for line in logged.read_text().splitlines()] if logged.exists() else []
     lags = [m["rollout/action_version_lag"] for m in metrics if "rollout/action_version_lag" in m]
     return {"s_per_step": under_load.seconds_per_step(ends, WARMUP), "peak_rss_gb": peak / GB,
+            "mean_s_per_step": (ends[-1] - ends[WARMUP - 1]) / (len(ends) - WARMUP),
             "action_version_lag": statistics.mean(lags) if lags else 0.0}  # fmt: skip
 
 
@@ -164,12 +167,12 @@ def staleness_part(args, workdir: Path) -> None:
     runs = {side: [] for side in sides}
     for _ in range(args.repeats):
         for side, stale in sides.items():
-            runs[side].append(measured("default", (*keys, *stale), latency, turns, args.steps, workdir))
-    on_policy = median_of(runs[0, False], "s_per_step")
+            runs[side].append(measured("default", (*keys, *stale), latency, turns, 2 * args.steps, workdir))
+    on_policy = median_of(runs[0, False], "mean_s_per_step")
     for (k, in_flight), side_runs in runs.items():
         if not k:
             continue
-        step = median_of(side_runs, "s_per_step")
+        step = median_of(side_runs, "mean_s_per_step")
         print(json.dumps({"part": "staleness", "engine": "hf", "turns": turns, "latency_s": latency, "max_staleness": k,
                           "in_flight_updates": in_flight, "runs": args.repeats, "s_per_step": step,
                           "on_policy_s_per_step": on_policy, "steps_per_s_ratio": on_policy / step,
@@ -180,8 +183,8 @@ def staleness_part(args, workdir: Path) -> None:
 
 def trl_part(args, workdir: Path) -> None:
     delay = 0.1
-    sides = {"lorarl": ("calculator", ()), "lorarl_stale1": ("calculator", (*STALE, "rollout.max_staleness=1")),
-             "trl": ("trl", ())}  # fmt: skip
+    stale = ("algorithm.rollout_correction=token", "rollout.max_staleness=1")  # its 2 HF engines inline: no processes
+    sides = {"lorarl": ("calculator", ()), "lorarl_stale1": ("calculator", stale), "trl": ("trl", ())}
     runs = {side: [] for side in sides}
     for _ in range(args.repeats):
         for side, (job, keys) in sides.items():

@@ -60,8 +60,8 @@ def test_a_batch_from_another_weight_version_is_refused():
     (["rollout.overlap=true"], "rollout.max_staleness=1 and rollout.overlap: set one"),
     (["algorithm.rollout_correction=none"], "rollout.max_staleness=1 trains on rollouts of earlier weights: set "
                                             "algorithm.rollout_correction=token"),
-    (["rollout.worker=inline"], "rollout.max_staleness=1 generates beside the training: it needs "
-                                "rollout.worker=process"),
+    (["rollout.engine=vllm", "rollout.worker=inline"], "rollout.max_staleness=1 generates beside the training: it "
+                                                       "needs rollout.worker=process"),
     (["algorithm=dapo"], "rollout.max_staleness=1 draws each step's batch ahead of it"),
     (["rollout.sync=auto"], "rollout.max_staleness=1 starts k + 1 engines: name the sync kind"),
     (["rollout.max_staleness=0", "rollout.in_flight_updates=true"], "rollout.in_flight_updates moves an episode to "

@@ -157,8 +157,8 @@ def check_staleness(config: Config) -> None:
         (r.overlap, "and rollout.overlap: set one (overlap is one batch ahead on one engine)"),
         (a.rollout_correction == "none", "trains on rollouts of earlier weights: set "
                                          "algorithm.rollout_correction=token (or sequence) to correct for that"),
-        (placement(r, config.trainer.backend) == "inline", "generates beside the training: it needs "
-                                                           "rollout.worker=process"),
+        (placement(r, config.trainer.backend) == "inline" and r.engine != "hf", "generates beside the training: "
+                                                                               "it needs rollout.worker=process"),
         (a.dynamic_sampling, "draws each step's batch ahead of it: algorithm.dynamic_sampling draws more as it goes"),
         (ADVANTAGES[a.adv_estimator].needs_greedy_baseline, f"and algorithm.adv_estimator={a.adv_estimator}: its "
                                                             "greedy baseline is generated on the current weights"),
