@@ -151,6 +151,29 @@ def env_latency(rows: list[dict]) -> str:
     return "; ".join(parts)
 
 
+def agent_latency(rows: list[dict]) -> str:
+    parts = []
+    latency = [r for r in rows if r["part"] == "latency" and r["latency_s"] > 0]
+    if latency:
+        held = sum(r["within_bound"] for r in latency)
+        worst = max(latency, key=lambda r: r["s_per_step"] / r["bound_s_per_step"])
+        parts.append(f"{held}/{len(latency)} latency cases within zero-latency step + 1.5 x turns x L (closest: "
+                     f"{worst['engine']} {worst['env']} {worst['turns']} turns at {worst['latency_s']:g} s, "
+                     f"{worst['s_per_step']:.2f} of {worst['bound_s_per_step']:.2f} s)")  # fmt: skip
+    parts += [f"max_staleness={r['max_staleness']}{' with in-flight updates' if r.get('in_flight_updates') else ''} "
+              f"at {r['latency_s']:g} s: {r['steps_per_s_ratio']:.2f}x on-policy steps/s (actions' lag "
+              f"{r['action_version_lag']:.2f})" for r in rows if r["part"] == "staleness"]  # fmt: skip
+    parts += [f"0.1 s tool: {r['lorarl_speedup_vs_trl']:.1f}x TRL (memory {r['lorarl_memory_ratio']:.2f}), "
+              f"max_staleness=1 {r['lorarl_stale1_speedup_vs_trl']:.1f}x (memory {r['lorarl_stale1_memory_ratio']:.2f})"
+              for r in rows if r["part"] == "trl"]  # fmt: skip
+    return "; ".join(parts)
+
+
+def stale_learning(rows: list[dict]) -> str:
+    return "; ".join(f"max_staleness={r['max_staleness']}: final accuracy {r['mean_final_accuracy']:.3f} (target "
+                     f"{r['target_accuracy']:.3f}), reached at steps {r['reached_step']}" for r in rows)  # fmt: skip
+
+
 def gpu_check(rows: list[dict]) -> str:
     return ", ".join(f"{r['check']} {r['status']}" for r in rows if r["check"] != "environment")
 
@@ -170,6 +193,8 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "gradient_checkpointing": (ROOT / "benchmarks/results/gradient_checkpointing.jsonl", gradient_checkpointing),
     "under_load": (ROOT / "benchmarks/results/under_load.jsonl", under_load),
     "env_latency": (ROOT / "benchmarks/results/env_latency.jsonl", env_latency),
+    "agent_latency": (ROOT / "benchmarks/results/agent_latency.jsonl", agent_latency),
+    "stale_learning": (ROOT / "benchmarks/results/stale_learning.jsonl", stale_learning),
     "gpu_check": (ROOT / "benchmarks/results/gpu_check.jsonl", gpu_check),
     "merge_throughput": (ROOT / "packages/lora_merge/benchmarks/results/merge_throughput.jsonl", merge_throughput),
     "sync_throughput": (ROOT / "packages/weight_sync/benchmarks/results/sync_throughput.jsonl", sync_throughput),
