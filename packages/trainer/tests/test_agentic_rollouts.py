@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from chat_fixtures import qwen2_style_tokenizer
-from test_multiturn import ROW
+from chat_fixtures import hermes_call, qwen2_style_tokenizer
+from test_multiturn import ROW, Script, pieces
 
 from lorarl.trainer import data, default_task
 from lorarl.trainer.config import load_config
@@ -20,6 +20,7 @@ from lorarl.trainer.engines.hf import HFSettings, HFWorker
 from lorarl.trainer.envs import ENVIRONMENTS
 from lorarl.trainer.envs.base import Environment, Observation, Step
 from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner, episode_metrics, episode_runner
+from lorarl.trainer.envs.scheduling import event_loop
 from lorarl.trainer.models import load_tokenizer
 from lorarl.trainer.schema import EnvSection
 
@@ -129,8 +130,6 @@ def test_async_environment_calls_are_awaited_together():
     async def make_barrier():
         return asyncio.Barrier(EPISODES)
 
-    from lorarl.trainer.envs.scheduling import event_loop
-
     AsyncAllAtOnce.barrier = event_loop().run_until_complete(make_barrier())
     episodes, _ = play("async_all_at_once", AsyncAllAtOnce)
     assert [sum(e.rewards) for e in episodes] == [1.0] * EPISODES
@@ -215,3 +214,37 @@ def test_an_episode_that_outgrows_the_engines_context_ends_with_stop_reason_cont
         whole_last_actions.add(short.actions[-1].tokens == whole.actions[len(short.actions) - 1].tokens)
     assert 0 < episode_metrics(cut)["env/stop/context"] < 1
     assert whole_last_actions == {limit == 20}
+
+
+RENDEZVOUS: list = []  # the barrier every episode's tool call waits at, made on the episodes' loop
+
+
+async def rendezvous(a: int, b: int) -> int:
+    """Add two integers once every episode's call has come.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    assert asyncio.get_running_loop() is event_loop()  # the episodes' loop, not a loop of its own in a thread
+    await asyncio.wait_for(RENDEZVOUS[0].wait(), 20)
+    return a + b
+
+
+def test_async_tools_are_awaited_together_on_the_episodes_loop():
+    """Each episode's `async def` tool call waits until every episode's has come: it passes only if they are awaited
+    concurrently, on the loop the episodes run on (a client bound to that loop works in them)."""
+
+    async def barrier():
+        return asyncio.Barrier(EPISODES)
+
+    RENDEZVOUS[:] = [event_loop().run_until_complete(barrier())]
+    tok = qwen2_style_tokenizer()
+    run = EpisodeRunner(EnvSection(name="tools", tools=[f"{__name__}:rendezvous"]), tok, eos=tok.eos_token_id)
+    episodes = run.start([ROW], EPISODES)
+    call = pieces(hermes_call("rendezvous", {"a": 12, "b": 7}), tok)
+    run.play(Script(tok, [[call, [*pieces("19", tok), "<|im_end|>"]]] * EPISODES), episodes,
+             SamplingParams(max_tokens=64))  # fmt: skip
+    assert [e.stop_reason for e in episodes] == ["answer"] * EPISODES
+    assert all(e.metrics == {"tool_calls": 1, "tool_errors": 0} for e in episodes)
+    assert all(e.env.messages[2]["content"] == "19" for e in episodes)  # the tool's answer, as a sync tool's

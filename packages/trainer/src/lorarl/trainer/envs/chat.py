@@ -147,11 +147,27 @@ class ChatEnvironment(Environment):
             after = [*after, _without_parse_error(self.parse(actions[-1]))]
         return self.messages[: self.prompt_length], after
 
+    steps_async = False  # whether the runner awaits `astep` on the episodes' loop instead of `step` on a thread
+
     def step(self, action: Action) -> Step:
+        return self._stepped(action, self.respond(self._sent(action)))
+
+    async def astep(self, action: Action) -> Step:
+        """`step` with `arespond` awaited (where `steps_async`)."""
+        return self._stepped(action, await self.arespond(self._sent(action)))
+
+    async def arespond(self, message: dict) -> Reply:
+        """`respond`, awaited: a subclass whose answers are `async` (`steps_async`) implements it."""
+        raise NotImplementedError
+
+    def _sent(self, action: Action) -> dict:
+        """The action's assistant message, kept in the conversation."""
         message = self.parse(action)
         self.stepped += 1
         self.messages.append(_without_parse_error(message))
-        reply = self.respond(message)
+        return message
+
+    def _stepped(self, action: Action, reply: Reply) -> Step:
         if not isinstance(reply, Reply):
             raise TypeError(f"{type(self).__name__}.respond returned {type(reply).__name__}, expected a Reply")
         if reply.done:

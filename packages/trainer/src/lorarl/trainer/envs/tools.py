@@ -50,11 +50,25 @@ class Tool:
     def parameters(self) -> dict:
         return self.schema["function"]["parameters"].get("properties", {})
 
+    @property
+    def is_async(self) -> bool:
+        """An `async def` tool: awaited on the episodes' loop (`ToolEnvironment.astep`)."""
+        return inspect.iscoroutinefunction(self.fn)
+
     def __call__(self, arguments: dict) -> str:
         result = self.fn(**arguments)
-        if inspect.iscoroutine(result):  # an async tool (TRL awaits them too)
+        if inspect.iscoroutine(result):  # an async tool called where no loop runs (TRL awaits them too)
             result = asyncio.run(result)
-        return result if isinstance(result, str) else json.dumps(result)
+        return _text(result)
+
+    async def acall(self, arguments: dict) -> str:
+        """The tool's result, awaited here where it is `async`, else from a thread (it may block)."""
+        result = await self.fn(**arguments) if self.is_async else await asyncio.to_thread(self.fn, **arguments)
+        return _text(result)
+
+
+def _text(result) -> str:
+    return result if isinstance(result, str) else json.dumps(result)
 
 
 def load_tools(specs: list[str]) -> tuple[Tool, ...]:
@@ -165,25 +179,62 @@ class ToolEnvironment(ChatEnvironment):
             return {**message, "parse_error": str(e)}
         return {**message, "content": content, "tool_calls": calls} if calls else message
 
+    @property
+    def steps_async(self) -> bool:
+        """With an `async def` tool, a step is awaited on the episodes' loop (`astep`): its async tools run there."""
+        return any(tool.is_async for tool in self.tools)
+
     def respond(self, message: dict) -> Reply:
+        ended = self._without_calls(message)
+        if ended is not None:
+            return ended
+        return self._replied(message["tool_calls"], [self._call(c, lambda tool, args: tool(args))
+                                                     for c in message["tool_calls"]])  # fmt: skip
+
+    async def arespond(self, message: dict) -> Reply:
+        """`respond`, the message's calls run concurrently: async tools awaited on the loop, the others on threads."""
+        ended = self._without_calls(message)
+        if ended is not None:
+            return ended
+        calls = message["tool_calls"]
+
+        async def run(call: dict):
+            pending = self._call(call, lambda tool, args: tool.acall(args))
+            if isinstance(pending, Exception):
+                return pending
+            try:
+                return await pending
+            except Exception as e:
+                return e
+
+        return self._replied(calls, await asyncio.gather(*(run(c) for c in calls)))
+
+    def _without_calls(self, message: dict) -> Reply | None:
+        """The reply to a message that calls no tool (an answer, or one that failed to parse); None if it calls."""
         if "parse_error" in message:
             if self.setup.section.on_parse_error == "stop":
                 return Reply(done=True, stop_reason="parse_error", metrics={"parse_errors": 1})
             return Reply([self.tool_message(f"error: {message['parse_error']}")], metrics={"parse_errors": 1})
-        calls = message.get("tool_calls")
-        if not calls:
-            return Reply(done=True, stop_reason="answer")
+        return None if message.get("tool_calls") else Reply(done=True, stop_reason="answer")
+
+    def _call(self, call: dict, run: Callable):
+        """`run(tool, arguments)` for one call, or the exception of one that names no tool or raises."""
         tools = {t.name: t for t in self.tools}
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        if name not in tools:
+            return LookupError(f"no tool named {name!r} (tools: {sorted(tools)})")
+        try:
+            return run(tools[name], arguments)
+        except Exception as e:
+            return e
+
+    def _replied(self, calls: list[dict], results: list) -> Reply:
+        """The tool messages of `calls`' results; a tool's failure goes back to the model as its message."""
         replies, errors = [], 0
-        for c in calls:
-            name, arguments = c["function"]["name"], c["function"]["arguments"]
-            try:
-                if name not in tools:
-                    raise LookupError(f"no tool named {name!r} (tools: {sorted(tools)})")
-                result = tools[name](arguments)
-            except Exception as e:  # the tool's own failure goes back to the model
-                result, errors = f"error: {type(e).__name__}: {e}", errors + 1
-            replies.append(self.tool_message(result, name))
+        for call, result in zip(calls, results, strict=True):
+            if isinstance(result, Exception):
+                result, errors = f"error: {type(result).__name__}: {result}", errors + 1
+            replies.append(self.tool_message(result, call["function"]["name"]))
         return Reply(replies, metrics={"tool_calls": len(calls), "tool_errors": errors})
 
     def tool_message(self, content: str, name: str | None = None) -> dict:
