@@ -59,6 +59,24 @@ def test_stop_strings_end_the_turn_where_the_hf_engine_ends_it():
         vllm.close()
 
 
+def test_seeded_requests_beyond_one_prefill_budget_sample_as_in_small_groups(tmp_path):
+    """300 seeded requests of 60 tokens (18000 prefill tokens, more than one step's budget): vLLM's CPU build crashed
+    where it split a seeded prefill into chunks ("CPU Generator does not use offset"); lorarl runs whole prefills.
+    Each request's samples are its seed's, in a big batch as in groups of 10."""
+    from vllm_cpu_helpers import engine_settings, make_model_dir
+
+    model = make_model_dir(tmp_path / "model", tie=True)
+    vllm = VllmWorker(dataclasses.replace(engine_settings(model), inline=True))
+    try:
+        prompts = [[(7 * i + j) % 90 + 3 for j in range(60)] for i in range(300)]
+        each = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(300)]
+        together = vllm.generate(prompts, each)
+        apart = [c for i in range(0, 300, 10) for c in vllm.generate(prompts[i : i + 10], each[i : i + 10])]
+        assert [c.token_ids for c in together] == [c.token_ids for c in apart]
+    finally:
+        vllm.close()
+
+
 @pytest.mark.parametrize("worker", ["inline", "process"])
 def test_the_calculator_task_trains_on_vllm(tmp_path, worker):
     out = tmp_path / "out"

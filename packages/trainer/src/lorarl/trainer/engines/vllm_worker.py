@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import torch
 
+from lorarl.trainer.context import model_positions
 from lorarl.trainer.engines import VllmEngineSettings
 from lorarl.trainer.engines.base import (
     Capabilities,
@@ -106,6 +107,10 @@ def engine_args(settings: VllmSettings) -> dict:
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization
     else:
         args["kv_cache_memory_bytes"] = int(settings.kv_cache_gb * (1 << 30))
+        # a seeded request's prefill must not be split into chunks: vLLM then rewinds the request's generator, which a
+        # CPU generator cannot do ("CPU Generator does not use offset"); whole prefills, as vLLM's CPU build runs MLA
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(8192, settings.max_model_len or model_positions(settings.model_path) or 0)
     if settings.tensor_parallel_size == 1:
         args["distributed_executor_backend"] = "uni"  # its one worker in the engine's own process
     if settings.max_model_len is not None:
