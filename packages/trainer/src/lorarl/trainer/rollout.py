@@ -92,12 +92,13 @@ class Rollouts:
             metrics["rollout/action_version_lag"] = sum(lags) / max(1, len(lags))
         return kept, metrics
 
-    def request(self, step: int, round_: int) -> tuple[list[int], Callable[[], list[Completion]]]:
-        """The next batch of prompts from the sampler, submitted to the engine: their indices, and what waits for
-        the completions."""
+    def request(self, step: int, round_: int,
+                engine: RolloutEngine | None = None) -> tuple[list[int], Callable[[], list[Completion]]]:  # fmt: skip
+        """The next batch of prompts from the sampler, submitted to `engine` (default: the run's): their indices, and
+        what waits for the completions."""
         indices = self.sampler.next_batch()
         sampling = sampling_params(self.config.rollout, step_seed(self.config.trainer.seed, step, round_))
-        return indices, self.engine.submit([self.examples[i].prompt_ids for i in indices], sampling)
+        return indices, (engine or self.engine).submit([self.examples[i].prompt_ids for i in indices], sampling)
 
     def prefetch(self, step: int) -> Callable[[], None]:
         """`rollout.overlap`: submit step `step`'s batch now (it generates while the trainer trains); the returned
@@ -114,12 +115,12 @@ class Rollouts:
         nothing else to do, generate it beside the training (its episodes play on a thread of their own); `newer`:
         its turns may come from newer weights (`rollout.in_flight_updates`: `engine` checks each reply's)."""
         before = self.sampler.state_dict()
-        indices = self.sampler.next_batch()
-        r = self.config.rollout
-        sampling = sampling_params(r, step_seed(self.config.trainer.seed, step))
         if self.episodes is None:
-            wait = engine.submit([self.examples[i].prompt_ids for i in indices], sampling)
+            indices, wait = self.request(step, 0, engine)
         else:
+            r = self.config.rollout
+            indices = self.sampler.next_batch()
+            sampling = sampling_params(r, step_seed(self.config.trainer.seed, step))
             examples = [self.examples[i] for i in indices]
             checked = None if newer else version
             wait = in_background(lambda: play_episodes(engine, self.episodes, examples, r.n, sampling, checked))
