@@ -13,6 +13,9 @@ Parts (`--parts`), each run a fresh process, the sides of a part interleaved, `-
   and `2` with `rollout.in_flight_updates`, against on-policy (`0`): steps per second as a ratio, and the actions' mean
   version lag. Stale steps alternate (batches started together end together), so this part times twice `--steps`
   and takes the mean step (the elapsed time over the steps), not the median interval.
+- `cpu`: the default task as episodes of 3 turns whose every step computes for 5 ms (`Busy`: pure Python, holding
+  the interpreter it runs in), its environments in the trainer's process and in `--processes` worker processes
+  (`env.processes`): seconds per step, as a ratio to the trainer's process.
 - `trl`: the calculator task with its `mul` tool answering after 0.1 s (env_latency.py's job), lorarl on-policy and
   with `rollout.max_staleness` 1 and 2 (its HF engines in the trainer's process) against TRL 1.16's `GRPOTrainer`
   (`environment_factory`): the mean step over twice `--steps`, and the peak resident memory of each run's process
@@ -21,7 +24,7 @@ Parts (`--parts`), each run a fresh process, the sides of a part interleaved, `-
 Seconds per step (the latency part): the median over runs of the median interval between step ends after a warm-up
 step.
 
-    uv run --group bench python benchmarks/agent_latency.py [--quick] [--parts latency,staleness,trl]
+    uv run --group bench python benchmarks/agent_latency.py [--quick] [--parts latency,staleness,cpu,trl]
         # then: scripts/results.py record agent_latency
 """
 
@@ -45,7 +48,7 @@ from lorarl.trainer.envs.base import Environment, Observation, Step
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 WARMUP = 1
-LATENCY_ENV, TURNS_ENV = "LORARL_BENCH_LATENCY_S", "LORARL_BENCH_TURNS"
+LATENCY_ENV, TURNS_ENV, WORK_ENV = "LORARL_BENCH_LATENCY_S", "LORARL_BENCH_TURNS", "LORARL_BENCH_WORK"
 PACED = ("env.max_tokens=24", "rollout.max_tokens=4", "trainer.eval_every=0")  # 5 turns x 4 tokens fit 32 positions
 STALE = ("rollout.worker=process", "algorithm.rollout_correction=token")
 
@@ -69,6 +72,22 @@ class Paced(Environment):
     def step(self, action) -> Step:
         time.sleep(float(os.environ[LATENCY_ENV]))
         return self.answer(action)
+
+
+class Busy(Paced):
+    """The same, each step computing `LORARL_BENCH_WORK` iterations of pure Python instead of sleeping (a CPU-heavy
+    environment: a checker, a simulator), which holds the interpreter it runs in."""
+
+    def step(self, action) -> Step:
+        busy(int(os.environ[WORK_ENV]))
+        return self.answer(action)
+
+
+def busy(iterations: int) -> int:
+    total = 0
+    for i in range(iterations):
+        total += i * i % 7
+    return total
 
 
 class AsyncPaced(Paced):
@@ -204,6 +223,27 @@ def staleness_part(args, workdir: Path) -> None:
                           "on_policy_peak_rss_gb": median_of(runs[0, False], "peak_rss_gb")}), flush=True)  # fmt: skip
 
 
+def cpu_part(args, workdir: Path) -> None:
+    turns, cpu_s = 3, 0.005
+    start = time.perf_counter()
+    busy(200_000)
+    os.environ[WORK_ENV] = str(int(200_000 * cpu_s / (time.perf_counter() - start)))  # cpu_s a step, alone
+    keys = (f"env={HERE}:Busy", f"env.max_turns={turns}")
+    sides = {processes: (*keys, f"env.processes={processes}") for processes in args.processes}
+    runs = {side: [] for side in sides}
+    for _ in range(args.repeats):
+        for side, overrides in sides.items():
+            runs[side].append(measured("default", overrides, 0.0, turns, args.steps, workdir))
+    in_process = median_of(runs[0], "s_per_step")
+    for processes, side_runs in runs.items():
+        step = median_of(side_runs, "s_per_step")
+        print(json.dumps({"part": "cpu", "engine": "hf", "turns": turns, "cpu_s_per_env_step": cpu_s,
+                          "env_processes": processes, "runs": args.repeats, "s_per_step": step,
+                          "in_process_s_per_step": in_process, "steps_per_s_ratio": in_process / step,
+                          "peak_rss_gb": median_of(side_runs, "peak_rss_gb"),
+                          "in_process_peak_rss_gb": median_of(runs[0], "peak_rss_gb")}), flush=True)  # fmt: skip
+
+
 def trl_part(args, workdir: Path) -> None:
     delay, stale = 0.1, ("algorithm.rollout_correction=token",)  # the stale sides' HF engines inline: no processes
     sides = {"lorarl": ("calculator", ()), "trl": ("trl", ()),
@@ -223,7 +263,7 @@ def trl_part(args, workdir: Path) -> None:
     print(json.dumps(row), flush=True)
 
 
-PARTS = {"latency": latency_part, "staleness": staleness_part, "trl": trl_part}
+PARTS = {"latency": latency_part, "staleness": staleness_part, "cpu": cpu_part, "trl": trl_part}
 
 
 def numbers(kind, text: str, what: str, parser) -> list:
@@ -236,11 +276,12 @@ def numbers(kind, text: str, what: str, parser) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 turns, latencies 0 and 0.1 s, the HF engine")
-    parser.add_argument("--parts", default="latency,staleness,trl", help="which parts, comma-separated")
+    parser.add_argument("--parts", default="latency,staleness,cpu,trl", help="which parts, comma-separated")
     parser.add_argument("--engines", default="hf,vllm", help="hf, vllm (vLLM's CPU build)")
     parser.add_argument("--turns", default="1,3,5", help="turns per episode (the latency part's default task)")
     parser.add_argument("--tasks", default="default,calculator", help="the latency part's tasks")
     parser.add_argument("--latencies", default="0,0.1,1", help="seconds per environment step (the first: the base)")
+    parser.add_argument("--processes", default="0,1,2", help="the cpu part's env.processes (0: the base)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side, interleaved")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -261,6 +302,9 @@ def main() -> None:
     args.tasks = args.tasks.split(",")
     if unknown := set(args.tasks) - {"default", "calculator"}:
         parser.error(f"--tasks: unknown {sorted(unknown)}; expected default, calculator")
+    args.processes = numbers(int, args.processes, "--processes", parser)
+    if args.processes[0] != 0:
+        parser.error("--processes: the first is the base, 0 (the environments in the trainer's process)")
     args.latencies = [0.0, 0.1] if args.quick else numbers(float, args.latencies, "--latencies", parser)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

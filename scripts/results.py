@@ -164,6 +164,11 @@ def agent_latency(rows: list[dict]) -> str:
     parts += [f"max_staleness={r['max_staleness']}{' with in-flight updates' if r.get('in_flight_updates') else ''} "
               f"at {r['latency_s']:g} s: {r['steps_per_s_ratio']:.2f}x on-policy steps/s (actions' lag "
               f"{r['action_version_lag']:.2f})" for r in rows if r["part"] == "staleness"]  # fmt: skip
+    cpu = [r for r in rows if r["part"] == "cpu" and r["env_processes"]]
+    if cpu:
+        sides = ", ".join(f"env.processes={r['env_processes']} {r['steps_per_s_ratio']:.2f}x (memory "
+                          f"{r['peak_rss_gb'] / r['in_process_peak_rss_gb']:.2f})" for r in cpu)  # fmt: skip
+        parts.append(f"{cpu[0]['cpu_s_per_env_step'] * 1000:g} ms of CPU an env step: {sides} the in-process steps/s")
     for r in (r for r in rows if r["part"] == "trl"):
         sides = [("on-policy", "lorarl"), ("max_staleness=1", "lorarl_stale1"), ("max_staleness=2", "lorarl_stale2")]
         parts.append("0.1 s tool against TRL: " + ", ".join(

@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from lorarl.trainer import default_task
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.hub import dataset_files, is_hub_id
@@ -282,6 +280,8 @@ class PromptSampler:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
+        import torch  # here: an environment's worker process (env.processes) imports this module, not torch
+
         return torch.randperm(
             self.size, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         ).tolist()

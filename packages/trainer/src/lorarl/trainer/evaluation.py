@@ -93,6 +93,8 @@ def evaluate_checkpoint(directory: str | Path, overrides: list[str], *, n: int) 
             sampled_scores = [s.total for s in reward.score(responses(chosen, sampled, tokenizer))]
     finally:
         reward.close()
+        if episodes is not None:
+            episodes.close()
     correct = [0] * len(examples)
     for index, score in zip(indices, sampled_scores, strict=True):
         correct[index] += score >= 1.0

@@ -236,6 +236,8 @@ class Trainer:
         finally:
             for engine in self.engines:
                 engine.close()
+            if self.episodes is not None:
+                self.episodes.close()
             self.reward.close()
             log.close()
             if self.samples_log is not None:

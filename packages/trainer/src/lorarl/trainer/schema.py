@@ -217,6 +217,9 @@ class EnvSection:
                               "episodes at data.batch_size 32 x rollout.n 8; batches in flight with "
                               "rollout.max_staleness share them); async ones are awaited on one loop",
                               minimum=1)  # fmt: skip
+    processes: int = option(0, "worker processes holding the episodes' environments, for CPU-heavy ones whose steps "
+                            "would hold the trainer's interpreter (each episode's instance lives in one of them, "
+                            "its calls run there); 0 = in the trainer's process", minimum=0)  # fmt: skip
     timeout_s: float = option(600.0, "an environment call (reset, step) taking longer ends its episode (stop reason "
                               "timeout), scored as env.on_error says; 0 = no limit", minimum=0.0)  # fmt: skip
     batch_wait_s: float = option(0.05, "how long an episode's turn waits for others to join it in the engine's "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from lorarl.trainer.engines.base import SamplingParams
 from lorarl.trainer.envs import ENVIRONMENTS, SINGLE_TURN
 from lorarl.trainer.envs.base import Action, Environment, EnvSetup, Observation, Step
+from lorarl.trainer.envs.processes import EnvProcesses, RemoteEnvironment
 from lorarl.trainer.envs.scheduling import EnvPool, TurnBatcher, event_loop
 from lorarl.trainer.envs.tools import load_tools
 from lorarl.trainer.errors import TrainerError
@@ -98,13 +99,19 @@ class EpisodeRunner:
 
     def __init__(self, section, tokenizer, *, eos: int, system_prompt: str | None = None,
                  max_prompt_tokens: int | None = None, max_context: int | None = None):  # fmt: skip
-        entry = ENVIRONMENTS[section.name]
         self.section, self.tokenizer, self.eos = section, tokenizer, eos
         self.bound(max_prompt_tokens, max_context)
+        entry = ENVIRONMENTS[section.name]
         self.environment = entry.environment
         self.setup = EnvSetup(tokenizer, section, entry.settings_in(section), load_tools(section.tools), system_prompt)
         self.owns_data = self.environment.owns_data  # its reset can make the task (data.train_files=[])
         self.pool = EnvPool(section.concurrency)
+        self.processes = EnvProcesses(section.processes, self.environment, self.setup) if section.processes else None
+
+    def close(self) -> None:
+        """Stop the environments' worker processes (`env.processes`)."""
+        if self.processes is not None:
+            self.processes.close()
 
     def bound(self, max_prompt_tokens: int | None, max_context: int | None) -> None:
         """The longest first observation (`data.max_prompt_tokens`), and the longest context the engine takes
@@ -113,8 +120,12 @@ class EpisodeRunner:
 
     def episodes(self, examples: list, n: int) -> list[Episode]:
         """`n` episodes per example, not reset yet (`play` resets them)."""
-        return [Episode(index, example, self.environment(self.setup), ())
-                for index, example in enumerate(examples) for _ in range(n)]  # fmt: skip
+        return [Episode(index, example, self._environment(), ()) for index, example in enumerate(examples)
+                for _ in range(n)]  # fmt: skip
+
+    def _environment(self) -> Environment | RemoteEnvironment:
+        """A new episode's environment: here, or in a worker process (`env.processes`)."""
+        return self.processes.environment_of_episode() if self.processes else self.environment(self.setup)
 
     def start(self, examples: list, n: int) -> list[Episode]:
         """`n` episodes per example, reset (concurrently)."""
@@ -166,8 +177,22 @@ class EpisodeRunner:
                 completion = await batcher.sample(order, episode.context, params)
                 await self._act(episode, completion, left, room, last_turn=turn == s.max_turns - 1)
                 turn += 1
+            if self.processes:
+                await self._collected(episode)
         finally:
             batcher.finished()
+
+    async def _collected(self, episode: Episode) -> None:
+        """What the rewards read of an ended episode whose environment is in a worker process: fetched now, within
+        `env.timeout_s` (where its environment raised, none is read)."""
+        try:
+            async with asyncio.timeout(self.section.timeout_s or None):
+                await episode.env.collect(episode.actions)
+        except Exception as e:
+            if episode.stop_reason != "error":
+                where = episode.example.where or f"prompt {str(episode.example.prompt)[:80]!r}"
+                raise EnvError(f"the environment ({self.section.name}) failed to give its final reward, conversation "
+                               f"or reward columns on the episode of {where}: {type(e).__name__}: {e}") from e
 
     async def _reset(self, episode: Episode) -> None:
         observation = await self._guarded(episode, "reset", episode.example)

@@ -75,10 +75,10 @@ class EnvPool:
                 result, error = call(), None
             except BaseException as e:  # handed to the episode whose call it was
                 result, error = None, e
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            loop.call_soon_threadsafe(settle, future, result, error)
 
 
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
     if future.done():  # its episode gave up on it (env.timeout_s)
         return
     if error is not None:

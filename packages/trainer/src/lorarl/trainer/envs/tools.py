@@ -71,17 +71,20 @@ def _text(result) -> str:
     return result if isinstance(result, str) else json.dumps(result)
 
 
-def load_tools(specs: list[str]) -> tuple[Tool, ...]:
-    """`env.tools`: functions by import path (`package.module:fn` or `path/to/file.py:fn`)."""
+def load_tools(specs: list[str], schemas: list[dict] | None = None) -> tuple[Tool, ...]:
+    """`env.tools`: functions by import path (`package.module:fn` or `path/to/file.py:fn`); with their `schemas` (as
+    the trainer read them), the functions alone (an environment's worker process: transformers' schema reader
+    imports torch, half a gigabyte)."""
     tools = []
-    for spec in specs:
+    for index, spec in enumerate(specs):
         try:
             fn = import_object(spec)
         except Exception as e:
             raise TrainerError(f"env.tools: cannot load {spec!r}: {e}") from None
         if not callable(fn):
             raise TrainerError(f"env.tools: {spec!r} is a {type(fn).__name__}, expected a function")
-        tools.append(Tool.from_function(fn, spec))
+        tools.append(Tool(schemas[index]["function"]["name"], fn, schemas[index]) if schemas
+                     else Tool.from_function(fn, spec))  # fmt: skip
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise TrainerError(f"env.tools: two tools share a name: {names}")
