@@ -1,10 +1,11 @@
-"""Whether training on stale batches still learns: the embedded calculator task (`task=calculator`, 40 steps) with
+"""Whether training on stale batches still learns: the embedded calculator task (`task=calculator`, `--steps` 40) with
 `rollout.max_staleness` 1 and 2 against on-policy (0), each with `--seeds` seeds, every side with
 `rollout.worker=process` (the stale sides with `algorithm.rollout_correction=token`).
 
 The target is the on-policy runs' final validation accuracy (greedy, 200 held-out problems, evaluated every 5 steps),
-averaged over the seeds. Per side: each seed's final accuracy, and the step and training time (the sum of its
-steps' `timing/step_s`, evaluations aside) at which it first reached the target; a run that never did reports null.
+averaged over the seeds. Per side: each seed's accuracy at every evaluation and its final one, and the step and
+training time (the sum of its steps' `timing/step_s`, evaluations aside) at which it first reached the target; a run
+that never did reports null.
 
     uv run python benchmarks/stale_learning.py [--quick] [--seeds 1,2,3]
         # then: scripts/results.py record stale_learning
@@ -48,12 +49,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one seed, 20 steps")
     parser.add_argument("--seeds", default="1,2,3", help="trainer.seed values, comma-separated")
+    parser.add_argument("--steps", type=int, default=40, help="training steps per run")
     args = parser.parse_args()
     try:
         seeds = [1] if args.quick else [int(s) for s in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds: integers, comma-separated; got {args.seeds!r}")
-    steps = 20 if args.quick else 40
+    steps = 20 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="stale_learning-") as scratch:
         runs = {k: {} for k in SIDES}
         for seed in seeds:  # the sides interleaved
@@ -70,6 +72,8 @@ def main() -> None:
                           "mean_final_accuracy": statistics.mean(final[k].values()),
                           "reached_step": [h["step"] for h in hits.values()],
                           "reached_train_s": [h["train_s"] for h in hits.values()],
+                          "accuracy_curves": {seed: [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+                                              for seed, rows in runs[k].items()},
                           "s_per_step": statistics.median(steps_s)}), flush=True)  # fmt: skip
 
 
