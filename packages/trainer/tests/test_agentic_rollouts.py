@@ -86,6 +86,35 @@ class SlowFirst(Turns):
         return step
 
 
+class Counted(Turns):
+    """Each step takes 0.05 s and counts the steps going on at once (`most`: the highest count)."""
+
+    lock, running, most = threading.Lock(), 0, 0
+
+    def enter(self) -> None:
+        with Counted.lock:
+            Counted.running += 1
+            Counted.most = max(Counted.most, Counted.running)
+
+    def leave(self) -> None:
+        with Counted.lock:
+            Counted.running -= 1
+
+    def step(self, action) -> Step:
+        self.enter()
+        threading.Event().wait(0.05)
+        self.leave()
+        return self.answered(action)
+
+
+class AsyncCounted(Counted):
+    async def step(self, action) -> Step:
+        self.enter()
+        await asyncio.sleep(0.05)
+        self.leave()
+        return self.answered(action)
+
+
 class Hanging(Turns):
     def step(self, action) -> Step:
         threading.Event().wait(30)  # a service that never answers (its thread is a daemon)
@@ -141,6 +170,15 @@ def test_an_episode_does_not_wait_for_another_episodes_environment():
     episodes, engine = play("slow_first", SlowFirst, batch_wait_s=0.01)
     assert [e.stop_reason for e in episodes] == ["done"] * EPISODES
     assert len(engine.calls) > 3  # the others' turns went on while episode 0 waited: more, smaller engine calls
+
+
+@pytest.mark.parametrize("env_class", [Counted, AsyncCounted])
+@pytest.mark.parametrize("concurrency", [2, EPISODES])
+def test_no_more_environment_calls_go_on_at_once_than_env_concurrency(env_class, concurrency):
+    Counted.most = 0
+    episodes, _ = play("counted", env_class, concurrency=concurrency)
+    assert [e.stop_reason for e in episodes] == ["done"] * EPISODES
+    assert Counted.most == concurrency  # reached, never passed
 
 
 def test_a_call_past_the_timeout_ends_its_episode_scored_or_stops_the_run_in_one_line():

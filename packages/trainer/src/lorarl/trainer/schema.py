@@ -212,10 +212,11 @@ class EnvSection:
                            ("raise", "score"))  # fmt: skip
     error_score: float = option(0.0, "the return of an episode whose environment raised or timed out, with "
                                 "env.on_error=score")  # fmt: skip
-    concurrency: int = option(256, "environment calls (reset, step) waiting at once: a blocking call runs on one of "
+    concurrency: int = option(256, "environment calls (reset, step) going on at once: a blocking call runs on one of "
                               "this many threads (sized for services — sandboxes, APIs, judges — and a step's "
                               "episodes at data.batch_size 32 x rollout.n 8; batches in flight with "
-                              "rollout.max_staleness share them); async ones are awaited on one loop",
+                              "rollout.max_staleness share them); async ones are awaited, this many at once per "
+                              "batch; more wait their turn",
                               minimum=1)  # fmt: skip
     processes: int = option(0, "worker processes holding the episodes' environments, for CPU-heavy ones whose steps "
                             "would hold the trainer's interpreter (each episode's instance lives in one of them, "

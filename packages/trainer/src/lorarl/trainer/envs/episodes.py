@@ -12,7 +12,6 @@ by the action starts a new segment.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -257,13 +256,14 @@ class EpisodeRunner:
 
     async def _guarded(self, episode: Episode, what: str, argument):
         """The environment's `what` (reset or step) of `argument`: awaited where it is `async` (or `steps_async`: a
-        chat environment with async tools), else on a thread of the pool, for at most `env.timeout_s`. If it raises
+        chat environment with async tools), else on a thread of the pool (`env.concurrency` at once either way), for
+        at most `env.timeout_s`. If it raises
         or runs out of time: stop the run naming the row, or end the episode with `env.error_score`
         (`env.on_error=score`; stop reason error or timeout)."""
         method = getattr(episode.env, what)
         if what == "step" and getattr(episode.env, "steps_async", False):  # its async tools on this loop
             method = episode.env.astep
-        call = method(argument) if inspect.iscoroutinefunction(method) else self.pool.run(lambda: method(argument))
+        call = self.pool.call(method, argument)
         limit = self.section.timeout_s or None
         try:
             async with asyncio.timeout(limit) as deadline:

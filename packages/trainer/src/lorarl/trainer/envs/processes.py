@@ -12,7 +12,6 @@ fails the calls of the episodes it held, each under `env.on_error`; the next epi
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import multiprocessing
 import pickle
@@ -199,8 +198,7 @@ def serve(connection, environment: bytes | None, spec: str, setup: tuple) -> Non
                                                  env.reward_columns()))  # fmt: skip
             else:
                 method = env.astep if what == "step" and getattr(env, "steps_async", False) else getattr(env, what)
-                call = method(argument) if inspect.iscoroutinefunction(method) else pool.run(lambda: method(argument))
-                result = await call
+                result = await pool.call(method, argument)
             reply = pickle.dumps((request, result, None))
         except BaseException as e:  # the episode's, raised where it waits
             reply = pickle.dumps((request, None, _portable(e)))

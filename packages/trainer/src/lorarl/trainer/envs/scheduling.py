@@ -13,6 +13,7 @@ thread, while the blocking environment calls go on in theirs.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 import time
@@ -32,15 +33,27 @@ def event_loop() -> asyncio.AbstractEventLoop:
 
 
 class EnvPool:
-    """Up to `size` daemon threads running blocking environment calls. Threads start as calls wait for one: the first
-    at once, more once a call has waited `GROW_AFTER_S` (calls that answer at once are served by a few threads, which
-    do not contend for the interpreter; slow ones get a thread each, up to `size`)."""
+    """At most `size` environment calls at once (`env.concurrency`): blocking ones on up to `size` daemon threads,
+    async ones awaited, `size` at a time on each loop. Threads start as calls wait for one: the first at once, more
+    once a call has waited `GROW_AFTER_S` (calls that answer at once are served by a few threads, which do not contend
+    for the interpreter; slow ones get a thread each, up to `size`)."""
 
     GROW_AFTER_S = 0.005
 
     def __init__(self, size: int):
         self.size, self.calls, self.threads, self.idle = size, queue.SimpleQueue(), 0, 0
         self.lock = threading.Lock()
+        self.limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    async def call(self, method: Callable, argument):
+        """`method(argument)`: awaited where it is `async`, else on one of the threads."""
+        if not inspect.iscoroutinefunction(method):
+            return await self.run(lambda: method(argument))
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            limit = self.limits.setdefault(loop, asyncio.Semaphore(self.size))
+        async with limit:
+            return await method(argument)
 
     async def run(self, call: Callable[[], object]):
         """`call()` on one of the threads, awaited on the running loop."""
