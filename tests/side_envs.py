@@ -1,9 +1,11 @@
-"""Environments of their own beside the project's (vLLM's CPU build, the Tinker cookbook): made — or made again when
-what they are made from changed — by their script, which records a digest of its inputs in `lorarl-inputs`."""
+"""Environments of their own beside the project's (vLLM's CPU build, verifiers v1, the Tinker cookbook): made — or
+made again when what they are made from changed — by their script, which records a digest of its inputs in
+`lorarl-inputs`."""
 
 import hashlib
 import os
 import subprocess
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,3 +28,18 @@ def outside_env() -> dict[str, str]:
     if venv:
         env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(venv))
     return env
+
+
+def run_side_tests(python: Path, tests: str, min_tests: int, report: Path, what: str) -> None:
+    """`tests` (a folder of this checkout) run by `python`'s pytest, where they never skip: a skipped test fails as
+    a failed one does, and so does a run that collected fewer than `min_tests` (it lost some)."""
+    where = subprocess.run([python, "-c", "import lorarl.weight_sync; print(lorarl.weight_sync.__file__)"],
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert Path(where.strip()).is_relative_to(ROOT), f"{python} holds the packages of another checkout: {where}"
+    command = [python, "-m", "pytest", tests, "-p", "no:cacheprovider", "-q", "-rfs", f"--junitxml={report}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=outside_env())
+    summary = ET.parse(report).getroot().find("testsuite").attrib if report.exists() else {}
+    tail = (done.stdout + done.stderr)[-8000:]
+    assert done.returncode == 0, f"the {what} tests failed:\n{tail}"
+    assert int(summary["skipped"]) == 0, f"{what} tests were skipped:\n{tail}"
+    assert int(summary["tests"]) >= min_tests, f"only {summary['tests']} {what} tests ran:\n{tail}"

@@ -87,8 +87,16 @@ register_env("skyrl_gym", settings=SkyRLGymSettings,
 @dataclass
 class VerifiersSettings:
     id: str = option("", "the verifiers environment: an installed one's id (vf.load_environment), or an import path "
-                     "(module:name, path/to/file.py:name) to a vf.Environment or a function returning one")  # fmt: skip
-    args: dict = option({}, "keyword arguments of load_environment (or of the function env.verifiers.id names)")
+                     "(module:name, path/to/file.py:name) to a vf.Environment or a function returning one; with "
+                     "verifiers >= 0.4 (its v1 stack), a taskset's id or importable module")  # fmt: skip
+    args: dict = option({}, "keyword arguments of load_environment (or of the function env.verifiers.id names); v1: "
+                        "the taskset config's fields")  # fmt: skip
+    config: dict = option({}, "v1: the rest of verifiers' env config (agent: harness, runtime, max_turns, ...; the "
+                          "runtime defaults to a local subprocess, the harness to the taskset's or else "
+                          "null)")  # fmt: skip
+    renderer: dict = option({}, "v1: the renderers config its train client renders chat with (name: default — the "
+                            "tokenizer's chat template —, qwen3, llama-3, ...; tool_parser: qwen3, ... for tool "
+                            "calls)")  # fmt: skip
 
 
 register_env("verifiers", settings=VerifiersSettings,

@@ -1,4 +1,5 @@
-"""verifiers environments, unchanged (`env=verifiers`, the `verifiers` extra), played token-exactly.
+"""verifiers environments, unchanged (`env=verifiers`, the `verifiers` extra), played token-exactly. (With verifiers
+>= 0.4, which keeps only its v1 stack, `env=verifiers` plays v1 tasksets: `verifiers_v1.py`.)
 
 A verifiers environment plays its own rollout against an OpenAI client and records each turn's token ids and log-probs
 in `state["trajectory"]`. Its classes are `SingleTurnEnv`, `MultiTurnEnv`, `ToolEnv` and `StatefulToolEnv`, scored by
@@ -54,7 +55,7 @@ def load(spec: str, args: str) -> vf.Environment:
     return environment
 
 
-class VerifiersEnvironment(ClientEnvironment):
+class ClassicVerifiersEnvironment(ClientEnvironment):
     """One rollout of the run's verifiers environment."""
 
     @property
@@ -87,3 +88,11 @@ class VerifiersEnvironment(ClientEnvironment):
 
     def final_reward(self) -> float:
         return getattr(self, "reward", 0.0)
+
+
+if hasattr(vf, "Environment"):
+    VerifiersEnvironment = ClassicVerifiersEnvironment
+else:  # verifiers >= 0.4 keeps only its v1 stack
+    from lorarl.trainer.envs import verifiers_v1
+
+    VerifiersEnvironment = verifiers_v1.VerifiersV1Environment
