@@ -11,7 +11,7 @@ from chat_fixtures import chat_model_dir, hermes_call, train_two_steps
 from lorarl.trainer.config import load_config
 from lorarl.trainer.data import Example
 from lorarl.trainer.engines import Completion, SamplingParams
-from lorarl.trainer.envs.episodes import EpisodeRunner
+from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner
 from lorarl.trainer.envs.verifiers_v1 import check_branches
 from lorarl.trainer.errors import TrainerError
 from lorarl.trainer.models import load_tokenizer
@@ -45,7 +45,7 @@ def played(tmp_path, rows: list[dict], rule, *settings: str) -> list:
     tok = load_tokenizer(chat_model_dir(tmp_path / "model"))
     config = load_config(None, ["env=verifiers", *settings])
     run = EpisodeRunner(config.env, tok, eos=tok.eos_token_id)
-    examples = [Example(r["prompt"], r["answer"], (), {"idx": r["idx"]}, f"rows line {i + 1}")
+    examples = [Example(r["prompt"], r.get("answer"), (), {"idx": r["idx"]}, f"rows line {i + 1}")
                 for i, r in enumerate(rows)]  # fmt: skip
     episodes = run.episodes(examples, 1)
     run.play(Replies(tok, rule), episodes, SamplingParams(max_tokens=64))
@@ -84,6 +84,25 @@ def test_an_env_answers_each_wrong_guess_with_feedback(tmp_path):
     assert len(first.segments) == 1  # each feedback extends the context: one sequence, the feedback masked
 
 
+def test_a_taskset_that_does_not_load_a_harness_that_crashes_or_hangs_each_in_one_line(tmp_path):
+    with pytest.raises(EnvError, match=r"^the environment \(verifiers\) raised in reset on the episode of rows line 1: "
+                                       r"TrainerError: env.verifiers.id='no_such_taskset': cannot load the v1 "
+                                       r"environment: "):  # fmt: skip
+        played(tmp_path, GREET[:1], lambda context: "hi", "env.verifiers.id=no_such_taskset")
+    crash = [{"idx": 0, "prompt": "crash"}]
+    with pytest.raises(EnvError, match=r"^the environment \(verifiers\) raised in reset on the episode of rows line 1: "
+                                       r"TrainerError: its program ended before asking the model: .*the harness "
+                                       r"crashed") as crashed:  # fmt: skip
+        played(tmp_path, crash, lambda context: "hi", "env.verifiers.id=v1_broken")
+    assert "\n" not in str(crashed.value)
+    [scored] = played(tmp_path, crash, lambda context: "hi", "env.verifiers.id=v1_broken", "env.on_error=score",
+                      "env.error_score=-1")  # fmt: skip
+    assert (scored.stop_reason, scored.rewards) == ("error", [-1.0])
+    [hung] = played(tmp_path, [{"idx": 0, "prompt": "hang"}], lambda context: "hi", "env.verifiers.id=v1_broken",
+                    "env.on_error=score", "env.timeout_s=2")  # fmt: skip
+    assert hung.stop_reason == "timeout"
+
+
 def test_a_branch_that_is_not_what_the_engine_sampled_is_refused_naming_the_episode(tmp_path):
     episodes = played(tmp_path, GREET[:1], lambda context: "hi", "env.verifiers.id=v1_tasks")
     episode = episodes[0]
@@ -108,3 +127,19 @@ def test_a_v1_environment_trains_two_steps(tmp_path, engine, rows, settings):
                             "env.max_tokens=32", "data.batch_size=2", *engine_keys)  # fmt: skip
     assert len(steps) == 2
     assert all(s["rollout/abs_logp_diff"] < 0.02 for s in steps)
+
+
+def test_verifiers_own_reverse_text_example_trains_two_steps_unchanged(tmp_path):
+    """`reverse_text/` is verifiers' own example environment, copied unchanged from its repository
+    (github.com/PrimeIntellect-ai/verifiers, environments/reverse_text/reverse_text/, commit a60a606); its rows are
+    what its `load()` makes of a dataset (here written in code: the tests download nothing)."""
+    from reverse_text.taskset import SYSTEM
+
+    rows = [{"idx": i, "prompt": text, "system_prompt": SYSTEM, "answer": text[::-1]}
+            for i, text in enumerate(("abc", "hello", "tool", "stop"))]  # fmt: skip
+    steps = train_two_steps(tmp_path, chat_model_dir(tmp_path / "model"), rows, "env=verifiers",
+                            "env.verifiers.id=reverse-text", "rollout.max_tokens=8", "env.max_tokens=32",
+                            "data.batch_size=2")  # fmt: skip
+    assert len(steps) == 2
+    assert all(s["rollout/abs_logp_diff"] < 0.02 for s in steps)
+    assert all(0.0 <= s["env/lcs"] <= 1.0 for s in steps)  # its reward, logged

@@ -138,8 +138,7 @@ class VerifiersV1Environment(Environment):
         self.program = asyncio.ensure_future(environment.run_episode(task, ctx))
         observation = await self._next()
         if observation is None:
-            raise TrainerError(f"the v1 episode of {example.where} ended before asking the model: "
-                               f"{self._errors()}")  # fmt: skip
+            raise TrainerError(f"its program ended before asking the model: {self._errors()}")
         return observation
 
     async def asked(self, body: dict) -> dict:
@@ -188,7 +187,9 @@ class VerifiersV1Environment(Environment):
             return "no error"
         if self.program.exception() is not None:
             return f"{type(self.program.exception()).__name__}: {self.program.exception()}"
-        return "; ".join(f"{e.type}: {e.message}" for e in self.program.result().errors) or "no error"
+        episode = self.program.result()
+        errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
+        return "; ".join(f"{e.type}: {e.message}" for e in errors) or "no error"
 
     @classmethod
     def conclude(cls, groups: list[list]) -> None:
