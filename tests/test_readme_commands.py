@@ -22,6 +22,7 @@ ELSEWHERE = [
     (r"^ray start", "Ray's own command (tests/test_ray_backend starts Ray itself)"),
     (r"\.venv-cookbook/", "the Tinker cookbook in its own environment: tests/test_cookbook.py runs its math_rl"),
     (r"^python -c import verifiers", "a user's verifiers environment, exported"),
+    (r"^\.venv-verifiers-v1/bin/python -c import json, verifiers", "a user's v1 taskset, exported"),
     (r"^uv run (pytest|ruff check)", "CI's own commands (.ci/run)"),
     (r"^\.\.\. \|", "a pipe from a benchmark's output (its script is checked where it is given alone)"),
     (r"torchrun --nnodes", "several nodes (tests/test_data_parallel runs torchrun on one)"),
@@ -169,7 +170,7 @@ def check(words: list[str], files: dict, tmp_path: Path) -> None:
         return check_uv(rest, files, tmp_path)
     if head == "pip":
         return check_pip(rest[1:])
-    if head in ("trainer", ".venv-vllm-cpu/bin/trainer"):
+    if head in ("trainer", ".venv-vllm-cpu/bin/trainer", ".venv-verifiers-v1/bin/trainer"):
         return check_trainer(rest, files, tmp_path)
     if head in ("python", "python3", ".venv-vllm-cpu/bin/python", "torchrun") and "-m" in rest:
         module = rest[rest.index("-m") + 1]
