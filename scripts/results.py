@@ -182,6 +182,12 @@ def stale_learning(rows: list[dict]) -> str:
                      f"{r['target_accuracy']:.3f}), reached at steps {r['reached_step']}" for r in rows)  # fmt: skip
 
 
+def verifiers_v1_overhead(rows: list[dict]) -> str:
+    return "; ".join(f"{r['episodes']} episodes at once: verifiers' own loop {r['verifiers_s_per_episode']:.2f} s an "
+                     f"episode, lorarl {r['lorarl_s_per_episode']:.2f} s (+{r['added_s_per_episode']:.3f} s, "
+                     f"{r['ratio']:.2f}x)" for r in rows)  # fmt: skip
+
+
 def gpu_check(rows: list[dict]) -> str:
     return ", ".join(f"{r['check']} {r['status']}" for r in rows if r["check"] != "environment")
 
@@ -203,6 +209,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "env_latency": (ROOT / "benchmarks/results/env_latency.jsonl", env_latency),
     "agent_latency": (ROOT / "benchmarks/results/agent_latency.jsonl", agent_latency),
     "stale_learning": (ROOT / "benchmarks/results/stale_learning.jsonl", stale_learning),
+    "verifiers_v1_overhead": (ROOT / "benchmarks/results/verifiers_v1_overhead.jsonl", verifiers_v1_overhead),
     "gpu_check": (ROOT / "benchmarks/results/gpu_check.jsonl", gpu_check),
     "merge_throughput": (ROOT / "packages/lora_merge/benchmarks/results/merge_throughput.jsonl", merge_throughput),
     "sync_throughput": (ROOT / "packages/weight_sync/benchmarks/results/sync_throughput.jsonl", sync_throughput),

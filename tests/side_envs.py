@@ -11,12 +11,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def ensure_environment(env: Path, script: Path, inputs: list[Path]) -> Path:
-    """`env`'s Python, after `script` made the environment again if its `inputs` changed since."""
+def ensure_environment(env: Path, script: Path, inputs: list[Path], *options: str) -> Path:
+    """`env`'s Python, after `script` (with `options`) made the environment again if its `inputs` changed since."""
     stamp = env / "lorarl-inputs"
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in inputs)).hexdigest()
     if not stamp.exists() or stamp.read_text().strip() != digest:
-        subprocess.run([script, env], check=True, timeout=1800, env=outside_env())
+        subprocess.run([script, env, *options], check=True, timeout=1800, env=outside_env())
     return env / "bin" / "python"
 
 

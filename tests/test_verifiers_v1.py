@@ -1,7 +1,8 @@
 """The tests of verifiers v1 environments (`tests/verifiers_v1/`), run in verifiers v1's environment as part of `uv
 run pytest` (verifiers 0.4 pins mcp and openai beside which its classic releases, the project's `verifiers` extra, do
 not install). The environment is made — or made again, when the script or a package's dependencies changed — by
-`scripts/verifiers_v1_env.sh`; `LORARL_VERIFIERS_V1_ENV` names another place for it. Those tests never skip."""
+`scripts/vllm_cpu_env.sh --verifiers-v1`; `LORARL_VERIFIERS_V1_ENV` names another place for it. Those tests never
+skip."""
 
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ MIN_TESTS = 11  # what tests/verifiers_v1 holds today, at least
 
 @pytest.mark.timeout(3600)
 def test_the_verifiers_v1_tests_pass_in_its_environment(tmp_path):
-    script = ROOT / "scripts" / "verifiers_v1_env.sh"
-    python = ensure_environment(ENV, script, [script, *sorted(ROOT.glob("packages/*/pyproject.toml"))])
+    script = ROOT / "scripts" / "vllm_cpu_env.sh"
+    inputs = [script, *sorted(ROOT.glob("packages/*/pyproject.toml"))]
+    python = ensure_environment(ENV, script, inputs, "--verifiers-v1")
     run_side_tests(python, "tests/verifiers_v1", MIN_TESTS, tmp_path / "report.xml", "verifiers v1")

@@ -33,7 +33,7 @@ try:
     from aiohttp import web
 except ImportError:
     raise TrainerError("env=verifiers with verifiers >= 0.4 (its v1 stack) needs its environment: "
-                       "scripts/verifiers_v1_env.sh") from None  # fmt: skip
+                       "scripts/vllm_cpu_env.sh --verifiers-v1") from None  # fmt: skip
 
 KEY_VAR = "LORARL_VERIFIERS_KEY"  # verifiers' client reads its API key from a variable; lorarl's route takes any
 
