@@ -85,6 +85,8 @@ def test_an_env_answers_each_wrong_guess_with_feedback(tmp_path):
 
 
 def test_a_taskset_that_does_not_load_a_harness_that_crashes_or_hangs_each_in_one_line(tmp_path):
+    """Each in one line naming the episode, or scored (`env.on_error=score`); a harness that hangs holds up only its
+    own episode, which ends at `env.timeout_s`."""
     with pytest.raises(EnvError, match=r"^the environment \(verifiers\) raised in reset on the episode of rows line 1: "
                                        r"TrainerError: env.verifiers.id='no_such_taskset': cannot load the v1 "
                                        r"environment: "):  # fmt: skip
@@ -98,9 +100,11 @@ def test_a_taskset_that_does_not_load_a_harness_that_crashes_or_hangs_each_in_on
     [scored] = played(tmp_path, crash, lambda context: "hi", "env.verifiers.id=v1_broken", "env.on_error=score",
                       "env.error_score=-1")  # fmt: skip
     assert (scored.stop_reason, scored.rewards) == ("error", [-1.0])
-    [hung] = played(tmp_path, [{"idx": 0, "prompt": "hang"}], lambda context: "hi", "env.verifiers.id=v1_broken",
-                    "env.on_error=score", "env.timeout_s=2")  # fmt: skip
-    assert hung.stop_reason == "timeout"
+    hung, answered = played(tmp_path, [{"idx": 0, "prompt": "hang"}, {"idx": 1, "prompt": "Say hi"}],
+                            lambda context: "hi", "env.verifiers.id=v1_broken", "env.on_error=score",
+                            "env.timeout_s=8")  # fmt: skip
+    assert (hung.stop_reason, hung.rewards) == ("timeout", [0.0])
+    assert (answered.stop_reason, answered.rewards) == ("agent_completed", [1.0])  # not held by the other's harness
 
 
 def test_a_branch_that_is_not_what_the_engine_sampled_is_refused_naming_the_episode(tmp_path):

@@ -150,9 +150,13 @@ class VerifiersV1Environment(Environment):
     async def _next(self) -> Observation | None:
         """The program's next request as an observation, or None once it has ended."""
         waiting = asyncio.ensure_future(self.requests.get())
-        await asyncio.wait([waiting, self.program], return_when=asyncio.FIRST_COMPLETED)
-        if not waiting.done():
-            waiting.cancel()
+        try:
+            await asyncio.wait([waiting, self.program], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # ended, or given up on (env.timeout_s)
+            asked = waiting.done()
+            if not asked:
+                waiting.cancel()
+        if not asked:
             return None
         self.body, self.reply = waiting.result()
         stops = self.body.get("sampling_params", {}).get("stop_token_ids") or []
