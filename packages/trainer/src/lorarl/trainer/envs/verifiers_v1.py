@@ -187,13 +187,15 @@ class VerifiersV1Environment(Environment):
         return trainable[0]
 
     def _errors(self) -> str:
-        if not self.program.done():
-            return "no error"
-        if self.program.exception() is not None:
-            return f"{type(self.program.exception()).__name__}: {self.program.exception()}"
-        episode = self.program.result()
-        errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
-        return "; ".join(f"{e.type}: {e.message}" for e in errors) or "no error"
+        """What the program failed with, on one line (a tool server's error carries its log's tail)."""
+        text = ""
+        if self.program.done() and self.program.exception() is not None:
+            text = f"{type(self.program.exception()).__name__}: {self.program.exception()}"
+        elif self.program.done():
+            episode = self.program.result()
+            errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
+            text = "; ".join(f"{e.type}: {e.message}" for e in errors)
+        return " ".join(text.split()) or "no error"
 
     @classmethod
     def conclude(cls, groups: list[list]) -> None:
