@@ -131,10 +131,12 @@ class VerifiersV1Environment(Environment):
         self.route.episodes[self.key] = self
         self.requests: asyncio.Queue = asyncio.Queue()
         self.answered = 0
+        # the engine samples with rollout.*, each turn within what is left of env.max_tokens: the request's own
+        # sampling settings are not read
         ctx = vf.ModelContext(model=self.model, client=vf.TrainClientConfig(
             base_url=f"{self.route.url}/ep/{self.key}/v1", api_key_var=KEY_VAR,
             renderer=self.renderer, renderer_model_name=self.tokenizer.name_or_path),
-            sampling=vf.SamplingConfig(temperature=1.0, max_tokens=self.setup.section.max_tokens))  # fmt: skip
+            sampling=vf.SamplingConfig(max_tokens=self.setup.section.max_tokens))  # fmt: skip
         self.program = asyncio.ensure_future(environment.run_episode(task, ctx))
         observation = await self._next()
         if observation is None:
@@ -181,9 +183,10 @@ class VerifiersV1Environment(Environment):
     def _trace(self):
         episode = self.program.result()
         trainable = [t for t in episode.traces if t.agent.trainable]
-        if not episode.ok or len(trainable) != 1:
-            raise TrainerError(f"the v1 episode ended {'with ' + self._errors() if not episode.ok else ''}"
-                               f"{len(trainable)} trainable traces; lorarl trains episodes of one")  # fmt: skip
+        if not episode.ok:
+            raise TrainerError(f"its program failed: {self._errors()}")
+        if len(trainable) != 1:
+            raise TrainerError(f"its episode has {len(trainable)} trainable traces; lorarl trains episodes of one")
         return trainable[0]
 
     def _errors(self) -> str:
