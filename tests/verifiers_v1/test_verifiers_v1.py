@@ -107,6 +107,18 @@ def test_a_taskset_that_does_not_load_a_harness_that_crashes_or_hangs_each_in_on
     assert (answered.stop_reason, answered.rewards) == ("agent_completed", [1.0])  # not held by the other's harness
 
 
+@pytest.mark.timeout(600)
+def test_a_tool_server_that_does_not_start_is_one_line_naming_it(tmp_path):
+    """verifiers waits 180 s for a tool server's port (its own fixed wait), then fails the episode: its error, with the
+    server's log, in one line."""
+    with pytest.raises(EnvError, match=r"^the environment \(verifiers\) raised in reset on the episode of rows line 1: "
+                                       r"TrainerError: its program ended before asking the model: ToolsetError: "
+                                       r"server did not report its port .* this tool server does not "
+                                       r"start") as failed:  # fmt: skip
+        played(tmp_path, SUMS[:1], sums, "env.verifiers.id=v1_deadtools")
+    assert "\n" not in str(failed.value)
+
+
 def test_a_branch_that_is_not_what_the_engine_sampled_is_refused_naming_the_episode(tmp_path):
     episodes = played(tmp_path, GREET[:1], lambda context: "hi", "env.verifiers.id=v1_tasks")
     episode = episodes[0]
