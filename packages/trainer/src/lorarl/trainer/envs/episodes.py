@@ -257,9 +257,8 @@ class EpisodeRunner:
     async def _guarded(self, episode: Episode, what: str, argument):
         """The environment's `what` (reset or step) of `argument`: awaited where it is `async` (or `steps_async`: a
         chat environment with async tools), else on a thread of the pool (`env.concurrency` at once either way), for
-        at most `env.timeout_s`. If it raises
-        or runs out of time: stop the run naming the row, or end the episode with `env.error_score`
-        (`env.on_error=score`; stop reason error or timeout)."""
+        at most `env.timeout_s`. If it raises or runs out of time: stop the run naming the row, or end the episode
+        with `env.error_score` (`env.on_error=score`; stop reason error or timeout)."""
         method = getattr(episode.env, what)
         if what == "step" and getattr(episode.env, "steps_async", False):  # its async tools on this loop
             method = episode.env.astep
