@@ -96,9 +96,13 @@ class Rollouts:
                 engine: RolloutEngine | None = None) -> tuple[list[int], Callable[[], list[Completion]]]:  # fmt: skip
         """The next batch of prompts from the sampler, submitted to `engine` (default: the run's): their indices, and
         what waits for the completions."""
-        indices = self.sampler.next_batch()
-        sampling = sampling_params(self.config.rollout, step_seed(self.config.trainer.seed, step, round_))
+        indices, sampling = self._draw(step, round_)
         return indices, (engine or self.engine).submit([self.examples[i].prompt_ids for i in indices], sampling)
+
+    def _draw(self, step: int, round_: int) -> tuple[list[int], SamplingParams]:
+        """The next batch of prompts from the sampler (their indices), and how step `step`'s `round_` samples them."""
+        seed = step_seed(self.config.trainer.seed, step, round_)
+        return self.sampler.next_batch(), sampling_params(self.config.rollout, seed)
 
     def prefetch(self, step: int) -> Callable[[], None]:
         """`rollout.overlap`: submit step `step`'s batch now (it generates while the trainer trains); the returned
@@ -118,12 +122,10 @@ class Rollouts:
         if self.episodes is None:
             indices, wait = self.request(step, 0, engine)
         else:
-            r = self.config.rollout
-            indices = self.sampler.next_batch()
-            sampling = sampling_params(r, step_seed(self.config.trainer.seed, step))
-            examples = [self.examples[i] for i in indices]
+            indices, sampling = self._draw(step, 0)
+            examples, n = [self.examples[i] for i in indices], self.config.rollout.n
             checked = None if newer else version
-            wait = in_background(lambda: play_episodes(engine, self.episodes, examples, r.n, sampling, checked))
+            wait = in_background(lambda: play_episodes(engine, self.episodes, examples, n, sampling, checked))
         self.in_flight[step] = Batch(version, indices, wait, before)
 
     def generate(self, step: int, round_: int, first_group: int, version: int) -> list[Sample]:
@@ -167,8 +169,8 @@ class Rollouts:
         if batch is not None:
             examples, episodes, version = [self.examples[i] for i in batch.indices], batch.wait(), batch.version
         else:
-            examples = [self.examples[i] for i in self.sampler.next_batch()]
-            sampling = sampling_params(r, step_seed(self.config.trainer.seed, step, round_))
+            indices, sampling = self._draw(step, round_)
+            examples = [self.examples[i] for i in indices]
             episodes = play_episodes(self.engine, self.episodes, examples, r.n, sampling, version)
         scores = self.reward.score(final_responses(episodes, self.tokenizer))
         returns = episode_returns(episodes, scores)
