@@ -19,7 +19,7 @@ from lorarl.trainer.engines.base import SamplingParams
 from lorarl.trainer.envs import ENVIRONMENTS, SINGLE_TURN
 from lorarl.trainer.envs.base import Action, Environment, EnvSetup, Observation, Step
 from lorarl.trainer.envs.processes import EnvProcesses, RemoteEnvironment
-from lorarl.trainer.envs.scheduling import EnvPool, TurnBatcher, event_loop
+from lorarl.trainer.envs.scheduling import EnvPool, TurnBatcher, env_method, event_loop
 from lorarl.trainer.envs.tools import load_tools
 from lorarl.trainer.errors import TrainerError
 
@@ -259,10 +259,7 @@ class EpisodeRunner:
         chat environment with async tools), else on a thread of the pool (`env.concurrency` at once either way), for
         at most `env.timeout_s`. If it raises or runs out of time: stop the run naming the row, or end the episode
         with `env.error_score` (`env.on_error=score`; stop reason error or timeout)."""
-        method = getattr(episode.env, what)
-        if what == "step" and getattr(episode.env, "steps_async", False):  # its async tools on this loop
-            method = episode.env.astep
-        call = self.pool.call(method, argument)
+        call = self.pool.call(env_method(episode.env, what), argument)
         limit = self.section.timeout_s or None
         try:
             async with asyncio.timeout(limit) as deadline:

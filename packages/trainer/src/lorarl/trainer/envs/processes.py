@@ -20,7 +20,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 from lorarl.trainer.envs.base import Environment, EnvSetup
-from lorarl.trainer.envs.scheduling import EnvPool, settle
+from lorarl.trainer.envs.scheduling import EnvPool, env_method, settle
 from lorarl.trainer.errors import TrainerError
 
 
@@ -197,8 +197,7 @@ def serve(connection, environment: bytes | None, spec: str, setup: tuple) -> Non
                 result = await pool.run(lambda: (float(env.final_reward()), env.conversation(argument),
                                                  env.reward_columns()))  # fmt: skip
             else:
-                method = env.astep if what == "step" and getattr(env, "steps_async", False) else getattr(env, what)
-                result = await pool.call(method, argument)
+                result = await pool.call(env_method(env, what), argument)
             reply = pickle.dumps((request, result, None))
         except BaseException as e:  # the episode's, raised where it waits
             reply = pickle.dumps((request, None, _portable(e)))

@@ -32,6 +32,12 @@ def event_loop() -> asyncio.AbstractEventLoop:
     return _loops.loop
 
 
+def env_method(env, what: str) -> Callable:
+    """An environment's `what` (reset or step) as it is called: a chat environment's step through `astep` where its
+    tools are async (`steps_async`: awaited on the episodes' loop)."""
+    return env.astep if what == "step" and getattr(env, "steps_async", False) else getattr(env, what)
+
+
 class EnvPool:
     """At most `size` environment calls at once (`env.concurrency`): blocking ones on up to `size` daemon threads,
     async ones awaited, `size` at a time on each loop. Threads start as calls wait for one: the first at once, more
