@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny models built in code (no downloads), for every package's tests."""
+"""Shared test fixtures: tiny models built in code (no downloads), for every package's tests; and the order the suite
+runs in, on a worker per core (pytest-xdist: `-n auto` in pyproject.toml; `-n 0` runs in one process)."""
 
 import importlib.metadata
 import importlib.util
@@ -15,6 +16,23 @@ collect_ignore = [] if importlib.util.find_spec("vllm") else ["tests/vllm_cpu"]
 # verifiers v1's tests run in its environment (tests/test_verifiers_v1.py starts them there)
 if not importlib.util.find_spec("verifiers") or int(importlib.metadata.version("verifiers").split(".")[1]) < 4:
     collect_ignore.append("tests/verifiers_v1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "starts_first: minutes long (a whole side suite or program): runs before the "
+                                       "rest, which the other workers share out meanwhile")  # fmt: skip
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: a worker per core this process may use, at most 4 (each holds torch, and many tests start processes
+    of their own)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `starts_first` tests first (the workers take tests one at a time, in this order), the rest as collected:
+    the longest ones never start last, when the other workers have nothing left to do."""
+    items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)
 
 
 @pytest.fixture

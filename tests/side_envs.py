@@ -38,12 +38,13 @@ def outside_env() -> dict[str, str]:
 
 
 def run_side_tests(python: Path, tests: str, min_tests: int, report: Path, what: str) -> None:
-    """`tests` (a folder of this checkout) run by `python`'s pytest, where they never skip: a skipped test fails as
-    a failed one does, and so does a run that collected fewer than `min_tests` (it lost some)."""
+    """`tests` (a folder of this checkout) run by `python`'s pytest, in one process (this suite's other workers run
+    beside it), where they never skip: a skipped test fails as a failed one does, and so does a run that collected
+    fewer than `min_tests` (it lost some)."""
     where = subprocess.run([python, "-c", "import lorarl.weight_sync; print(lorarl.weight_sync.__file__)"],
                            capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert Path(where.strip()).is_relative_to(ROOT), f"{python} holds the packages of another checkout: {where}"
-    command = [python, "-m", "pytest", tests, "-p", "no:cacheprovider", "-q", "-rfs", f"--junitxml={report}"]
+    command = [python, "-m", "pytest", tests, "-n", "0", "-p", "no:cacheprovider", "-q", "-rfs", f"--junitxml={report}"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3000, env=outside_env())
     summary = ET.parse(report).getroot().find("testsuite").attrib if report.exists() else {}
     tail = (done.stdout + done.stderr)[-8000:]

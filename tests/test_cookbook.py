@@ -16,6 +16,7 @@ ENV = Path(os.environ.get("LORARL_COOKBOOK_ENV", ROOT / ".venv-cookbook"))
 STEPS = 3
 
 
+@pytest.mark.starts_first
 @pytest.mark.timeout(1800)
 def test_the_cookbooks_math_rl_runs_unchanged_against_the_server(tmp_path):
     script = ROOT / "scripts" / "cookbook_env.sh"

@@ -42,6 +42,7 @@ def test_the_bare_machine_lacks_what_a_gpu_machine_lacks(vendor):
     assert not list(vendor.rglob("*.so"))  # pure Python: it runs on any machine's python3
 
 
+@pytest.mark.starts_first
 def test_the_cpu_mode_runs_every_check(tmp_path, vendor):
     done, report = gpu_check(tmp_path, "--device", "cpu", "--smoke", "--vendor", str(vendor))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -118,6 +118,7 @@ def test_padding_installs_alone_into_a_fresh_venv(tmp_path):
     assert str(ROOT) not in namespace_path  # the wheel's copy, not the workspace checkout
 
 
+@pytest.mark.starts_first
 def test_lora_merge_from_its_sdist_installs_alone_and_two_environments_share_one_build_of_its_op(tmp_path):
     _, wheel = build_from_sdist(tmp_path / "dist")
     extensions = tmp_path / "extensions"

@@ -14,6 +14,7 @@ ENV = Path(os.environ.get("LORARL_VERIFIERS_V1_ENV", ROOT / ".venv-verifiers-v1"
 MIN_TESTS = 12  # what tests/verifiers_v1 holds today, at least
 
 
+@pytest.mark.starts_first
 @pytest.mark.timeout(3600)
 def test_the_verifiers_v1_tests_pass_in_its_environment(tmp_path):
     python = vllm_environment(ENV, "--verifiers-v1")

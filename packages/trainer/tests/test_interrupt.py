@@ -54,8 +54,9 @@ def wait_for_steps(out, process: subprocess.Popen, steps: int) -> None:
 
 def test_ctrl_c_checkpoints_the_last_step_and_the_printed_command_resumes_exactly(tiny_setup, tmp_path):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    assert main(tiny_overrides(tiny_setup, straight, trainer__steps=STEPS)) == 0
-    process = start(tiny_overrides(tiny_setup, interrupted, trainer__steps=STEPS))
+    # a fixed thread count: the runs repeat bit for bit whatever else the machine runs (lorarl.trainer.threads)
+    assert main(tiny_overrides(tiny_setup, straight, trainer__steps=STEPS, trainer__threads=1)) == 0
+    process = start(tiny_overrides(tiny_setup, interrupted, trainer__steps=STEPS, trainer__threads=1))
     wait_for_steps(interrupted, process, 3)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=120)

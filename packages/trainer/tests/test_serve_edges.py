@@ -150,6 +150,7 @@ def short_run(url: str, model: str) -> str:
     return tc.model_id
 
 
+@pytest.mark.starts_first
 def test_finished_sessions_let_go_of_their_runs_and_memory_stays_flat(tmp_path):
     model = adapter_model_dir(tmp_path / "model")
     with running_server(model, tmp_path / "state", "--session-timeout", "12") as url:

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import itertools
 import json
+import re
 
 from lorarl.trainer.envs.base import Action, Environment, Observation, Step
 from lorarl.trainer.errors import TrainerError
@@ -99,6 +100,20 @@ async def _route(environment: vf.Env) -> EngineRoute:
         await stack.enter_async_context(environment.serving())
         _routes[loop] = (route, stack)
     return _routes[loop][0]
+
+
+_TRACEBACK_LINE = re.compile(r'^(Traceback \(most recent call last\):|File ".*", line \d+|\^+$)')
+_RAISED_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Group)\b")
+
+
+def _condensed(message: str) -> str:
+    """An error's message; one that carries a Python traceback (a harness's stderr tail, where a tool server
+    failed) cut to its first line and the last exception it names."""
+    lines = [line.strip(" |+-") for line in message.splitlines()]
+    if not any(_TRACEBACK_LINE.match(line) for line in lines):
+        return message
+    raised = [line for line in lines[1:] if _RAISED_LINE.match(line)]
+    return f"{lines[0]} ... {raised[-1]}" if raised else lines[0]
 
 
 class VerifiersV1Environment(Environment):
@@ -197,7 +212,7 @@ class VerifiersV1Environment(Environment):
         elif self.program.done():
             episode = self.program.result()
             errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
-            text = "; ".join(f"{e.type}: {e.message}" for e in errors)
+            text = "; ".join(f"{e.type}: {_condensed(e.message)}" for e in errors)
         return " ".join(text.split()) or "no error"
 
     @classmethod

@@ -1,3 +1,0 @@
-from reverse_text.taskset import ReverseTextTaskset
-
-__all__ = ["ReverseTextTaskset"]
