@@ -4,15 +4,20 @@ loop for async ones), an episode never waits for another's environment, a call p
 of its own seed that the other rows of a batch do not change."""
 
 import asyncio
+import itertools
+import json
 import threading
 from dataclasses import replace
+from typing import ClassVar
 
 import pytest
 import torch
 from chat_fixtures import hermes_call, qwen2_style_tokenizer
 from test_multiturn import ROW, Script, pieces
+from trainer_fixtures import tiny_overrides
 
 from lorarl.trainer import data, default_task
+from lorarl.trainer.cli import main
 from lorarl.trainer.config import load_config
 from lorarl.trainer.context import fit_context
 from lorarl.trainer.engines import Completion, SamplingParams
@@ -20,7 +25,7 @@ from lorarl.trainer.engines.hf import HFSettings, HFWorker
 from lorarl.trainer.envs import ENVIRONMENTS
 from lorarl.trainer.envs.base import Environment, Observation, Step
 from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner, episode_metrics, episode_runner
-from lorarl.trainer.envs.scheduling import event_loop
+from lorarl.trainer.envs.scheduling import HungCalls, event_loop
 from lorarl.trainer.models import load_tokenizer
 from lorarl.trainer.schema import EnvSection
 
@@ -121,6 +126,52 @@ class Hanging(Turns):
         return self.answered(action)
 
 
+class OneInSixHangs(Turns):
+    """The first episode of each batch (of `EPISODES`) never gets an answer to its first step, until `release` is
+    set; the others answer at once."""
+
+    release = threading.Event()
+    lock, count = threading.Lock(), 0
+
+    def reset(self, example) -> Observation:
+        with OneInSixHangs.lock:
+            self.number, OneInSixHangs.count = OneInSixHangs.count, OneInSixHangs.count + 1
+        return super().reset(example)
+
+    def step(self, action) -> Step:
+        if self.number % EPISODES == 0:
+            OneInSixHangs.release.wait()
+        return self.answered(action)
+
+
+class HangsOneInEight(Environment):
+    """One turn on the data row's prompt, rewarded by the share of 7s in it; one episode in eight never gets an answer
+    to its step (until `release` is set)."""
+
+    release = threading.Event()
+    numbers = itertools.count()
+    steps_truncated = True  # an action cut at rollout.max_tokens is stepped too
+
+    def reset(self, example) -> Observation:
+        self.number = next(HangsOneInEight.numbers)
+        return Observation(tuple(example.prompt_ids))
+
+    def step(self, action) -> Step:
+        if self.number % 8 == 0:
+            HangsOneInEight.release.wait()
+        return Step(reward=action.text.count("7") / max(1, len(action.text)), done=True)
+
+
+class Instant(Turns):
+    """Each step answers at once, on the thread that runs it (recorded)."""
+
+    threads: ClassVar[set] = set()
+
+    def step(self, action) -> Step:
+        Instant.threads.add(threading.get_ident())
+        return self.answered(action)
+
+
 class Answers:
     """The engine's side: the same action for every context it is given; each call's contexts recorded."""
 
@@ -134,23 +185,27 @@ class Answers:
         return [Completion(i, self.ids, (-0.5,) * len(self.ids), True, 0) for i in range(len(prompts))]
 
 
-def play(name: str, env_class, **settings):
+def play(name: str, env_class, *, batches: int = 1, episodes: int = EPISODES, **settings):
+    """`batches` batches of `episodes` episodes played one after another by one runner: the last batch's episodes,
+    the engine, and the runner."""
     tok = qwen2_style_tokenizer()
     ENVIRONMENTS.register(name)(env_class)
     try:
         run = EpisodeRunner(EnvSection(name=name, **settings), tok, eos=tok.eos_token_id)
-        episodes = run.episodes([ROW], EPISODES)
-        engine = Answers(tok)
-        run.play(engine, episodes, SamplingParams(max_tokens=8))
-        return episodes, engine
+        for _ in range(batches):
+            played = run.episodes([ROW], episodes)
+            engine = Answers(tok)
+            run.play(engine, played, SamplingParams(max_tokens=8))
+        return played, engine, run
     finally:
         ENVIRONMENTS.remove(name)
 
 
 def test_blocking_environment_calls_wait_concurrently():
-    episodes, engine = play("all_at_once", AllAtOnce)
+    episodes, engine, _ = play("all_at_once", AllAtOnce)
     assert [e.stop_reason for e in episodes] == ["done"] * EPISODES
     assert engine.calls == [EPISODES] * 3  # every episode's turn in one engine call
+    assert episode_metrics(episodes)["env/timed_turns"] == 0  # each batch went once every episode waited
 
 
 def test_async_environment_calls_are_awaited_together():
@@ -160,35 +215,85 @@ def test_async_environment_calls_are_awaited_together():
         return asyncio.Barrier(EPISODES)
 
     AsyncAllAtOnce.barrier = event_loop().run_until_complete(make_barrier())
-    episodes, _ = play("async_all_at_once", AsyncAllAtOnce)
+    episodes, _, _ = play("async_all_at_once", AsyncAllAtOnce)
     assert [sum(e.rewards) for e in episodes] == [1.0] * EPISODES
 
 
 def test_an_episode_does_not_wait_for_another_episodes_environment():
     SlowFirst.count, SlowFirst.ended = 0, 0
     SlowFirst.others_done.clear()
-    episodes, engine = play("slow_first", SlowFirst, batch_wait_s=0.01)
+    episodes, engine, _ = play("slow_first", SlowFirst, batch_wait_s=0.01)
     assert [e.stop_reason for e in episodes] == ["done"] * EPISODES
     assert len(engine.calls) > 3  # the others' turns went on while episode 0 waited: more, smaller engine calls
+    assert episode_metrics(episodes)["env/timed_turns"] > 0  # those batches' make-up was timing's, and is counted
 
 
 @pytest.mark.parametrize("env_class", [Counted, AsyncCounted])
 @pytest.mark.parametrize("concurrency", [2, EPISODES])
 def test_no_more_environment_calls_go_on_at_once_than_env_concurrency(env_class, concurrency):
     Counted.most = 0
-    episodes, _ = play("counted", env_class, concurrency=concurrency)
+    episodes, _, _ = play("counted", env_class, concurrency=concurrency)
     assert [e.stop_reason for e in episodes] == ["done"] * EPISODES
     assert Counted.most == concurrency  # reached, never passed
 
 
 def test_a_call_past_the_timeout_ends_its_episode_scored_or_stops_the_run_in_one_line():
-    episodes, _ = play("hanging", Hanging, timeout_s=0.2, on_error="score", error_score=-1.0)
+    episodes, _, _ = play("hanging", Hanging, timeout_s=0.2, on_error="score", error_score=-1.0)
     assert {e.stop_reason for e in episodes} == {"timeout"}
     assert [e.rewards for e in episodes] == [[-1.0]] * EPISODES
     assert episode_metrics(episodes)["env/timeouts"] == 1.0
     with pytest.raises(EnvError, match=r"^the environment \(hanging\) ran out of env.timeout_s=0.2 s in step on the "
                                        r"episode of train.jsonl line 3 \(env.on_error=score"):  # fmt: skip
         play("hanging", Hanging, timeout_s=0.2)
+
+
+def test_calls_that_never_return_leave_their_threads_and_the_others_are_served_to_the_bound():
+    """One episode in six hangs in every batch, at env.concurrency=2: each batch still times out only that one (its
+    thread leaves the pool, another serves the queue), until env.max_hung_calls threads are left: then the run stops
+    in one line, whatever env.on_error says."""
+    OneInSixHangs.count = 0
+    OneInSixHangs.release.clear()
+    try:
+        settings = {"concurrency": 2, "timeout_s": 0.3, "on_error": "score", "max_hung_calls": 6}
+        for batches in (1, 5):
+            OneInSixHangs.count = 0
+            episodes, _, run = play("one_in_six_hangs", OneInSixHangs, batches=batches, **settings)
+            assert sorted(e.stop_reason for e in episodes) == ["done"] * (EPISODES - 1) + ["timeout"]
+            assert episode_metrics(episodes)["env/timeouts"] == 1 / EPISODES
+            assert run.pool.hung == batches
+            assert run.pool.threads <= settings["concurrency"]
+        OneInSixHangs.count = 0
+        with pytest.raises(HungCalls, match=r"^6 blocking environment calls were given up on at env.timeout_s and "
+                                            r"never returned, each holding a thread \(env.max_hung_calls=6\)"):
+            play("one_in_six_hangs", OneInSixHangs, batches=7, **settings)
+    finally:
+        OneInSixHangs.release.set()  # the threads left to them end
+
+
+def test_a_run_whose_environment_hangs_on_one_episode_in_eight_keeps_learning(tiny_setup, tmp_path, capsys):
+    """At env.concurrency=4, 32 episodes a step, 4 of which never return: every step times out those 4 alone (the
+    threads left to them are replaced), learns from the rest, and says once that threads were left."""
+    out = tmp_path / "out"
+    HangsOneInEight.release.clear()
+    ENVIRONMENTS.register("hangs_one_in_eight")(HangsOneInEight)
+    try:
+        assert main(tiny_overrides(tiny_setup, out, env__name="hangs_one_in_eight", env__concurrency=4,
+                                   env__timeout_s=0.3, env__on_error="score", trainer__steps=6)) == 0  # fmt: skip
+    finally:
+        HangsOneInEight.release.set()
+        ENVIRONMENTS.remove("hangs_one_in_eight")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["env/timeouts"] for s in steps] == [0.125] * 6
+    assert [s["env/hung_threads"] for s in steps] == [4, 8, 12, 16, 20, 24]
+    assert all(s["grad_norm"] > 0 for s in steps)
+    assert capsys.readouterr().out.count("ran past env.timeout_s and never returned") == 1
+
+
+def test_calls_that_answer_at_once_are_served_by_one_thread():
+    Instant.threads = set()
+    episodes, _, run = play("instant", Instant, episodes=256)
+    assert [e.stop_reason for e in episodes] == ["done"] * 256
+    assert len(Instant.threads) == run.pool.threads == 1
 
 
 def test_each_request_samples_with_its_own_stop_length_and_seed_on_the_hf_engine():

@@ -1,5 +1,6 @@
 """Bad inputs end with a clear message and a non-zero exit code, before any training starts."""
 
+import re
 import shutil
 
 import pytest
@@ -174,3 +175,24 @@ def test_a_reward_that_raises_in_the_first_validation_says_so(tiny_setup, tmp_pa
     out = capsys.readouterr().out
     assert "the reward function raised ValueError: no score for" in out
     assert "in the validation before training (step 0) on: prompt=" in out
+
+
+PLUGIN_KEYS = ["env.name", "env.tools", "reward.fn", "algorithm.policy_loss", "algorithm.adv_estimator",
+               "algorithm.kl_estimator", "rollout.engine", "rollout.sync"]  # fmt: skip
+BROKEN = {"SyntaxError": ("def f(:\n    pass\n", r"SyntaxError: invalid syntax \(broken\.py, line 1\)"),
+          "NameError": ("x = undefined_name\n", r"NameError: name 'undefined_name' is not defined \(.*broken\.py, "
+                        r"line 1\)")}  # fmt: skip
+
+
+@pytest.mark.parametrize("error", BROKEN)
+@pytest.mark.parametrize("key", PLUGIN_KEYS)
+def test_a_plugin_file_that_fails_at_import_is_one_line_naming_the_key(tiny_setup, tmp_path, capsys, key, error):
+    source, message = BROKEN[error]
+    broken = tmp_path / "broken.py"
+    broken.write_text(source)
+    spec = f"{broken}:f"
+    extra = {"env__name": "tools", "env__tools": f"[{spec}]"} if key == "env.tools" else {key.replace(".", "__"): spec}
+    assert main(tiny_overrides(tiny_setup, tmp_path / "out", **extra)) == 2
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1, printed
+    assert re.match(rf"^error: {re.escape(key)}(='|: cannot load ').*{re.escape(str(broken))}.*: {message}", printed[0])

@@ -27,11 +27,23 @@ def test_an_unset_max_prompt_tokens_takes_the_room_the_budget_leaves():
     assert (fit_context(roomy, CALCULATOR), roomy.data.max_prompt_tokens) == (64, 56)
 
 
+@pytest.mark.parametrize(("overrides", "budget", "prompt"), [
+    ([], 16, 16),  # neither set: half the positions each
+    (["data.max_prompt_tokens=10"], 22, 10),  # the room the prompt leaves
+])  # fmt: skip
+def test_an_unset_env_max_tokens_takes_the_room_the_prompt_leaves(overrides, budget, prompt):
+    """An environment on the embedded default model (32 positions): its episode budget fits beside the prompt, where
+    a fixed 512 refused every run."""
+    config = load_config(None, ["env=tools", *overrides])
+    assert fit_context(config, DEFAULT) == 32
+    assert (config.env.max_tokens, config.data.max_prompt_tokens) == (budget, prompt)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["task=calculator", "data.max_prompt_tokens=30"], "data.max_prompt_tokens=30 + env.max_tokens=40 is more than "
      "the model's 64 positions (max_position_embeddings): lower one of them"),
-    (["task=calculator", "env.max_tokens=64"], "env.max_tokens=64 leaves no room for a prompt in the model's 64 "
-     "positions (max_position_embeddings): lower it"),
+    (["task=calculator", "env.max_tokens=64"], "env.max_tokens=64 leaves no room for a prompt (data.max_prompt_tokens) "
+     "in the model's 64 positions (max_position_embeddings): lower it"),
     (["data.max_prompt_tokens=30"], "data.max_prompt_tokens=30 + rollout.max_tokens=8 is more than the model's 32 "
      "positions"),
 ])  # fmt: skip

@@ -256,6 +256,25 @@ def test_a_reward_that_takes_the_answer_refuses_data_without_one(tmp_path, capsy
                             "'reward_spec.ground_truth'; it has ['target']), which reward.fn='default' takes")
 
 
+def test_a_row_naming_no_environment_of_the_dict_stops_the_run_when_the_data_loads(tmp_path, capsys):
+    """Named in one line before the model loads, not when a step draws that row."""
+    from lorarl.trainer.cli import main
+
+    path, data = trl_style(tmp_path), tmp_path / "rows.jsonl"
+    rows = [{"prompt": "Reach 1.", "target": 1, "environment": "up"}] * 3 + [{"prompt": "Reach 1.", "target": 1,
+                                                                            "environment": "sideways"}]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    code = main([f"model.path={chat_model_dir(tmp_path / 'model')}", f"data.train_files=[{data}]",
+                 f"data.val_files=[{data}]", f"env={path}:ENVIRONMENTS", "env.tool_format=hermes",
+                 f"reward.fns=[{path}:reward_func]", "data.batch_size=2", f"trainer.output_dir={out}"])  # fmt: skip
+    assert code == 2
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == (f"error: {data}:4: environment='sideways' is not one of the environments ['down', "
+                           "'free', 'up']")  # fmt: skip
+    assert not out.exists()
+
+
 def train_on_trl_style(tmp_path, model, *extra: str) -> list[dict]:
     """Two steps with the keys a TRL script's objects map to, and nothing else: the Dataset by import path, the
     environment class, the reward functions. The steps' metrics."""

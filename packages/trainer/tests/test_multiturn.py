@@ -3,6 +3,8 @@ tokens the engine did not sample get mask 0, log-probs and the loss equal a one-
 are never decoded and re-encoded, a rewritten context splits into a new sample — and every bad input is named."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner
 from lorarl.trainer.envs.tools import Tool
 from lorarl.trainer.logprobs import micro_batch, response_logprobs
 from lorarl.trainer.registry import PluginError
-from lorarl.trainer.rollout import Sample, episode_returns
+from lorarl.trainer.rollout import Sample, episode_returns, rollout_metrics
 from lorarl.trainer.schema import EnvSection
 from lorarl.trainer.scoring import Score
 from lorarl.trainer.update import episode_advantages, to_batch
@@ -186,6 +188,10 @@ def test_a_rewritten_context_starts_a_new_sample_and_advantages_count_episodes()
         torch.testing.assert_close(values, torch.full_like(values, want[episode]), atol=1e-4, rtol=0)
     with pytest.raises(Exception, match="vary along an episode's tokens"):
         episode_advantages(algorithms.ADVANTAGES["reinforce_pp"], batch, None, {"gamma": 0.5, "eps": 1e-6})
+    # the reward logged once per episode too: the mean and spread of the four returns, not of the eight samples
+    metrics = rollout_metrics(samples)
+    assert metrics["reward/mean"] == pytest.approx(sum(returns) / 4)
+    assert metrics["reward/std"] == pytest.approx(float(torch.tensor(returns).std()))
 
 
 def samples_of(episodes, returns=None, groups=None) -> list[Sample]:
@@ -379,6 +385,31 @@ def test_env_that_is_not_an_environment_is_named(tmp_path):
         load_config(None, [f"env.tools=[{TOOLS[0]}]"])
     with pytest.raises(PluginError, match=r"unknown environment 'tool'.*did you mean 'tools'"):
         ENVIRONMENTS["tool"]
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_s_chat_environment_trains_as_written_and_a_model_without_a_template_is_one_line(tmp_path, capsys):
+    """The README's `# my_env.py` (`Guess`), run by its command (`task=calculator`: the embedded calculator model has
+    a chat template); on the embedded default, which has none, the run stops before loading the model, in one line."""
+    from lorarl.trainer.cli import main
+
+    body = re.search(r"```python\n(# my_env\.py\n.*?)```", README.read_text(), re.S)[1]
+    command = re.search(r"uv run trainer (task=calculator env=my_env\.py:Guess)\b", README.read_text())[1].split()
+    (tmp_path / "my_env.py").write_text(body)
+    out = tmp_path / "out"
+    settings = ["trainer.steps=2", "trainer.eval_every=0", "data.batch_size=4", f"trainer.output_dir={out}"]
+    overrides = [c.replace("my_env.py", str(tmp_path / "my_env.py")) for c in command]
+    assert main([*overrides, *settings]) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    capsys.readouterr()
+    assert main([overrides[1], *settings[1:], f"trainer.output_dir={tmp_path / 'plain'}"]) == 2
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed == [f"error: env.name={tmp_path / 'my_env.py'}:Guess: a chat environment needs a tokenizer with a "
+                       "chat template, and the policy's has none (a chat model — task=calculator's embedded one has "
+                       "a template —, or a token-level Environment)"]  # fmt: skip
 
 
 def test_a_first_observation_longer_than_the_prompts_may_be_is_named():

@@ -113,6 +113,13 @@ def test_bad_fields_are_the_client_s_errors(served):
     with pytest.raises(tinker.RequestFailedError, match=r"data\[0\].model_input: empty") as failed:
         tc.forward_backward([empty], "cross_entropy").result()
     assert failed.value.category == types.RequestErrorCategory.User
+    tc = sc.create_lora_training_client(base_model=model, rank=4).result()  # a run of its own: raw requests
+    for seq_id, (value, got) in enumerate((("fast", "'fast'"), (True, "True")), 1):  # a string, a boolean
+        answer = result(url, post(url, "optim_step", json={"model_id": tc.model_id, "seq_id": seq_id,
+                                                           "adam_params": {"learning_rate": value}}))  # fmt: skip
+        assert answer.json()["error"] == f"adam_params.learning_rate: expected a number, got {got}"
+    answer = post(url, "get_info", json={"model_id": 7})
+    assert answer.json()["error"] == "body.model_id: expected a string, got 7"
 
 
 def adapter_model_dir(directory: Path) -> str:

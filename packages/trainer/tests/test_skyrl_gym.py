@@ -13,7 +13,7 @@ from lorarl.trainer import default_task
 from lorarl.trainer.config import load_config
 from lorarl.trainer.data import Example
 from lorarl.trainer.engines import SamplingParams
-from lorarl.trainer.envs.episodes import EpisodeRunner
+from lorarl.trainer.envs.episodes import EnvError, EpisodeRunner
 
 ROW = Example("What is 3+4?", "7", (), {"env_class": "gsm8k_multi_turn", "extra_info": {"max_turns": 9}}, "line 1")
 
@@ -148,3 +148,28 @@ def test_a_run_trains_on_text2sql(tmp_path):
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["env/turns"] == 2 for s in steps)  # its "invalid action" observation, then the last turn
     assert all(s["reward/mean"] == -1.0 for s in steps)  # a random model writes no <solution>: SkyRL's -1
+
+
+def test_a_search_url_that_nothing_answers_is_one_line_naming_the_key():
+    """SkyRL's search environment would retry each call for ~45 s, then give the model the error text: refused when
+    the episode starts instead; a URL where a server listens passes."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    row = Example("Who wrote Hamlet?", "Shakespeare", (), {"env_class": "search"}, "line 1")
+    search = f"env.skyrl_gym.search={{search_url: http://127.0.0.1:{port}/retrieve}}"
+    config = load_config(None, ["env=skyrl_gym", search])
+    tok = qwen2_style_tokenizer()
+    with pytest.raises(EnvError, match=rf"^the environment \(skyrl_gym\) raised in reset on the episode of line 1: "
+                                       rf"TrainerError: env\.skyrl_gym\.search\.search_url=http://127\.0\.0\.1:{port}/"
+                                       r"retrieve: nothing answers there \(ConnectionRefusedError: .*\); SkyRL's "
+                                       r"search environment calls it every turn: start it, or point the key at "
+                                       r"it"):  # fmt: skip
+        EpisodeRunner(config.env, tok, eos=tok.eos_token_id).start([row], 1)
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}/retrieve"
+        config = load_config(None, ["env=skyrl_gym", f"env.skyrl_gym.search={{search_url: {url}}}"])
+        (episode,) = EpisodeRunner(config.env, tok, eos=tok.eos_token_id).start([row], 1)
+        assert episode.stop_reason == ""  # started: its first observation is the prompt

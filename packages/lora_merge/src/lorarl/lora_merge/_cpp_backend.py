@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -88,6 +89,9 @@ def load_op(with_cuda: bool) -> None:
         return
     build = directory / "build"
     build.mkdir(exist_ok=True)
+    print(f"lorarl.lora_merge: building its {'CUDA' if with_cuda else 'C++'} merge op for this machine, once (cached "
+          f"in {directory})...", file=sys.stderr, flush=True)  # fmt: skip
+    started = time.perf_counter()
     cpp_extension.load(
         name=name,
         sources=[str(path) for path in sources],
@@ -103,6 +107,7 @@ def load_op(with_cuda: bool) -> None:
         part.write((build / published.name).read_bytes())
     os.chmod(part.name, 0o755)
     os.replace(part.name, published)
+    print(f"lorarl.lora_merge: built in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
 
 def merge(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out: torch.Tensor) -> None:

@@ -43,8 +43,8 @@ class Console:
             self.console.print(text, markup=False)
 
     def step_done(self, step: int, metrics: dict) -> None:
-        for kind, problem in WARNINGS.items():
-            if metrics.get(kind) == 1.0 and kind not in self.warned:  # once a run
+        for kind, (problem, at) in WARNINGS.items():
+            if metrics.get(kind, 0) >= at and kind not in self.warned:  # once a run
                 self.warned.add(kind)
                 hint = self.hints.get(kind)
                 self.say(f"warning: step {step}: {problem}" + (f" ({hint})" if hint else ""))
@@ -54,10 +54,15 @@ class Console:
             self.progress.update(self.progress.task_ids[0], completed=step, status=status(metrics))
 
 
-# a step where every response or episode did this is worth a line: the run learns nothing from it
+# what is worth a line, once a run, when a step's metric reaches the figure: every response or episode did it (the
+# run learns nothing from that step), or a thread was left to an environment call that never returned
 WARNINGS = {
-    "response_length/truncated": "every response was cut at its token limit",
-    "env/stop/parse_error": "every episode ended on a tool call its format could not read",
+    "response_length/truncated": ("every response was cut at its token limit", 1.0),
+    "env/stop/parse_error": ("every episode ended on a tool call its format could not read", 1.0),
+    "env/failed": ("every episode ended in an environment error or timeout (env/errors, env/timeouts): nothing to "
+                   "learn from", 1.0),
+    "env/hung_threads": ("a blocking environment call ran past env.timeout_s and never returned; its thread is left "
+                         "to it and another serves the episodes (env/hung_threads)", 1),
 }
 
 

@@ -44,16 +44,22 @@ from lorarl.trainer.update import ActorUpdate, to_batch
 from lorarl.trainer.weights import WeightSync, describe_choice
 
 
+def warning_hints(config: Config) -> dict[str, str]:
+    """What to check when a warning comes (`console.WARNINGS`): the run's settings, by warning."""
+    r, env = config.rollout, config.env
+    return {"response_length/truncated": f"rollout.max_tokens={r.max_tokens}"
+            + ("" if env.name == "none" else f", env.max_tokens={env.max_tokens}") + ": raise it",
+            "env/stop/parse_error": f"env.tool_format={env.tool_format}: a tool the model was not trained to call, or "
+            "another format?",
+            "env/failed": f"env.on_error={env.on_error}, env.timeout_s={env.timeout_s:g}",
+            "env/hung_threads": f"the run stops once env.max_hung_calls={env.max_hung_calls} are left"}  # fmt: skip
+
+
 class Trainer:
     def __init__(self, config: Config, *, console=None):
         self.config = config
         t = config.trainer
-        r, env = config.rollout, config.env
-        hints = {"response_length/truncated": f"rollout.max_tokens={r.max_tokens}"
-                 + ("" if env.name == "none" else f", env.max_tokens={env.max_tokens}") + ": raise it",
-                 "env/stop/parse_error": f"env.tool_format={env.tool_format}: a tool the model was not trained to "
-                 "call, or another format?"}  # fmt: skip
-        self.console = Console(console, t.steps, hints)
+        self.console = Console(console, t.steps)
         output = Path(t.output_dir or f"outputs/{datetime.now():%Y%m%d-%H%M%S}")
         fresh = not output.exists()
         self.output_dir = checkpoint.output_dir(str(output))
@@ -75,13 +81,16 @@ class Trainer:
                                        config.model.revision)  # fmt: skip
         self.tokenizer = load_tokenizer(model_dir)
         self.episodes = episode_runner(config, self.tokenizer)  # multi-turn: the environment's runner
-        fit_context(config, model_dir, self.episodes)  # data.max_prompt_tokens set, or checked
+        fit_context(config, model_dir, self.episodes)  # data.max_prompt_tokens (env.max_tokens) set, or checked
+        self.console.hints = warning_hints(config)
         owns = self.episodes is not None and self.episodes.owns_data
         self.train_set, dropped = data.load_examples("train", self.tokenizer, config.data, env_owns_data=owns)
         self.val_set, val_dropped = data.load_examples("val", self.tokenizer, config.data, env_owns_data=owns)
         if config.data.val_size:
             self.val_set = self.val_set[: config.data.val_size]
         self.dropped = {"train": dropped, "val": val_dropped}
+        if self.episodes is not None:  # rows its environment cannot play: named now, not when drawn
+            self.episodes.environment.check_examples(self.train_set + self.val_set)
         self.reward = scoring.Rewards(config.reward, t.steps)
         self.reward.check_answers(self.train_set + self.val_set)
         self.dp, self.device = setup_data_parallel(resolve_device(t.device))

@@ -9,11 +9,16 @@ number of micro-batches (a rank with nothing left runs one with zero weight).
 """
 
 import os
+import socket
+import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lorarl.weight_sync.group import is_loopback, rendezvous_store
 
 
 @dataclass
@@ -63,8 +68,23 @@ def setup_data_parallel(device: torch.device) -> tuple[DataParallel | None, torc
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _join(world, "nccl" if device.type == "cuda" else "gloo")
     return DataParallel(dist.get_rank(), world, init_device_mesh(device.type, (world,)), device), device
+
+
+def _join(world: int, backend: str) -> None:
+    """The default group, listening on loopback alone where every rank is on this machine (torchrun on one node, a
+    local Ray cluster): the store rank 0 hosts (torchrun's agent hosts its own) and gloo's pairs."""
+    host, rank = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("RANK", "0"))
+    local = is_loopback(host) or os.environ.get("LOCAL_WORLD_SIZE") == str(world)
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if local and backend == "gloo" and loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    if is_loopback(host) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store = rendezvous_store(host, int(os.environ["MASTER_PORT"]), world, rank, timedelta(minutes=30))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend)
 
 
 def shard(model: nn.Module, mesh) -> None:
@@ -72,6 +92,9 @@ def shard(model: nn.Module, mesh) -> None:
     FSDP averages gradients over the ranks: the trainer scales its losses by the world size to sum them."""
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP2 warns at every forward that the wrapped peft model returns a view (an in-place op on it would skip FSDP's
+    # backward hook): lorarl's losses make none (two ranks make the update of one: test_data_parallel)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     layer_classes = set()
     for module in model.modules():
         layer_classes.update(getattr(module, "_no_split_modules", None) or ())

@@ -13,6 +13,7 @@ import importlib.util
 import io
 import pickle
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,9 +198,19 @@ def import_object(spec: str) -> Any:
             module = importlib.import_module(target)
     except ImportError as e:
         raise PluginError(f"cannot import {target}: {e}") from None
+    except Exception as e:  # the module's own error (a SyntaxError, a NameError at its top level): one line
+        raise PluginError(f"cannot import {target}: {type(e).__name__}: {e}{_where(e)}") from None
     if not hasattr(module, name):
         raise PluginError(f"{target} has no {name!r}")
     return getattr(module, name)
+
+
+def _where(error: Exception) -> str:
+    """Where `error` was raised, as " (file, line N)" (a SyntaxError says so itself)."""
+    if isinstance(error, SyntaxError):
+        return ""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
 
 
 def _import_file(path: Path) -> Any:

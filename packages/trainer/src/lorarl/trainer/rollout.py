@@ -81,6 +81,7 @@ class Rollouts:
         metrics = rollout_metrics(drawn) | self.reward.metrics([s.scored for s in drawn if s.scored is not None])
         if self.played:
             metrics |= episode_metrics(self.played)
+            metrics["env/hung_threads"] = self.episodes.pool.hung
         if a.dynamic_sampling:
             chosen = set(sorted({s.group for s in kept})[:batch_size])
             kept = [s for s in kept if s.group in chosen] or samples
@@ -282,8 +283,11 @@ def check_versions(completions: list[Completion], version: int, *, lag: int = 0)
 
 
 def rollout_metrics(samples: list[Sample]) -> dict:
-    """What the policy does, over every response generated this step (kept by dynamic sampling or not)."""
-    scores = np.array([s.score for s in samples])
+    """What the policy does, over every response generated this step (kept by dynamic sampling or not). The reward
+    once per episode: an episode split into several samples (a rewritten context) shares its return among them, and
+    counts once, as in its group's advantages."""
+    episodes = {(s.group, s.episode if s.episode is not None else i): s.score for i, s in enumerate(samples)}
+    scores = np.array(list(episodes.values()))
     lengths = np.array([len(s.completion.token_ids) for s in samples])
     metrics = {
         "reward/mean": float(scores.mean()),

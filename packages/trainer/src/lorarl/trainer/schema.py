@@ -199,9 +199,11 @@ class EnvSection:
                               "Qwen-family templates) or compact (<call>name arg ...</call>)",
                               ("hermes", "compact"))  # fmt: skip
     max_turns: int = option(8, "actions per episode; an episode still going after them is truncated", minimum=1)
-    max_tokens: int = option(512, "an episode's tokens after its prompt (actions and what the environment appends); "
-                             "one reaching it is truncated. Each action is at most rollout.max_tokens",
-                             minimum=1)  # fmt: skip
+    max_tokens: int | None = option(None, "an episode's tokens after its prompt (actions and what the environment "
+                                    "appends); one reaching it is truncated. Each action is at most "
+                                    "rollout.max_tokens. None: 512, or the room the model's positions leave beside "
+                                    "data.max_prompt_tokens (half of them, where that is unset too) where that is "
+                                    "less", minimum=1)  # fmt: skip
     max_tool_tokens: int = option(256, "a tool message is cut to this many tokens (0 = no limit)", minimum=0)
     on_parse_error: str = option("stop", "a tool call the format cannot read: end the episode (stop reason "
                                  "parse_error), or send the error back as the tool's message",
@@ -223,6 +225,9 @@ class EnvSection:
                             "its calls run there); 0 = in the trainer's process", minimum=0)  # fmt: skip
     timeout_s: float = option(600.0, "an environment call (reset, step) taking longer ends its episode (stop reason "
                               "timeout), scored as env.on_error says; 0 = no limit", minimum=0.0)  # fmt: skip
+    max_hung_calls: int = option(1024, "blocking calls given up on at env.timeout_s that never return keep their "
+                                 "threads (another takes each one's place): the run stops once this many are left "
+                                 "at once (env/hung_threads counts them)", minimum=1)  # fmt: skip
     batch_wait_s: float = option(0.05, "how long an episode's turn waits for others to join it in the engine's "
                                  "batch while environments are still answering (none wait once every episode "
                                  "waits)", minimum=0.0)  # fmt: skip

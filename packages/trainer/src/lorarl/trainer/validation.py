@@ -4,6 +4,7 @@ registered piece (or a plugin), and the rules across keys — each error naming 
 import importlib.util
 import sys
 
+from lorarl.trainer.context import DEFAULT_EPISODE_TOKENS
 from lorarl.trainer.errors import ConfigError
 from lorarl.trainer.pieces import pluggable
 from lorarl.trainer.registry import PluginError, Registry, choices_of
@@ -135,8 +136,8 @@ def check_rules(config: Config) -> None:
     if not single_turn and r.overlap:
         raise ConfigError("rollout.overlap does not play multi-turn episodes (env.name): each turn waits for the "
                           "environment; set rollout.max_staleness=1 instead")  # fmt: skip
-    env_buffer = overlong_buffer(a.overlong_buffer_frac, env.max_tokens)
-    if not single_turn and a.overlong_buffer_frac > 0 and env_buffer >= env.max_tokens:
+    budget = env.max_tokens or DEFAULT_EPISODE_TOKENS  # (unset: set with the model's positions; a share the same)
+    if not single_turn and a.overlong_buffer_frac > 0 and overlong_buffer(a.overlong_buffer_frac, budget) >= budget:
         raise ConfigError(f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac}: with an environment the buffer "
                           f"is a share of env.max_tokens={env.max_tokens}, and covers all of it")  # fmt: skip
     if r.overlap and placement(r, t.backend) == "inline":

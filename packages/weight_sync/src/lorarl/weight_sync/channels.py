@@ -82,6 +82,10 @@ class Channel(ABC):
         `hands_over`). Factors and adapters come whole and checked; weights as a stream checked as it is consumed, which
         must be consumed to its end (stopping early tells the sender this receiver failed)."""
 
+    def received_coverage(self, update: Update) -> str:
+        """Receiver: what `update`, received here and consumed, covers as its sender said (`Update.coverage`)."""
+        return update.coverage
+
     def load_into(self, module: nn.Module, version: int) -> int:
         """Receiver: weights version `version` copied into `module`'s parameters and buffers of the same names, the
         manifest checked against the module before anything is applied (`weight_sync.copy_into`); returns it."""
@@ -172,6 +176,9 @@ class _GroupChannel(Channel):
     def _checked_stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.receiver.receive(keep=True)
         expected_version(self.receiver.version, version)
+
+    def received_coverage(self, update: Update) -> str:
+        return self.receiver.coverage if update.form == "weights" else update.coverage  # the transfer's header's
 
     def load_into(self, module: nn.Module, version: int) -> int:
         return expected_version(self.receiver.load_into(module), version)

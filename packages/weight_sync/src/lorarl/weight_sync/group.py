@@ -1,5 +1,10 @@
-"""A process group of its own between a trainer and rollout-engine processes that did not start together."""
+"""A process group of its own between a trainer and rollout-engine processes that did not start together.
 
+Where every member is on this machine (the rendezvous host is a loopback address), nothing of the group listens
+beyond loopback: torch's TCPStore binds every interface unless handed a socket bound already, and gloo's pairs listen
+on the address their device is made for. A TCPStore accepts anyone who connects."""
+
+import ipaddress
 import socket
 from datetime import timedelta
 
@@ -34,16 +39,42 @@ def create_sync_group(
     if gloo_threads < 1:
         raise ValueError(f"gloo_threads must be >= 1, got {gloo_threads}")
     limit = timedelta(seconds=timeout)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=limit, wait_for_workers=True)
+    store = rendezvous_store(host, port, world_size, rank, limit)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = limit
         options._threads = gloo_threads
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        options._devices = [gloo_device(host)]
         return dist.ProcessGroupGloo(store, rank, world_size, options)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = limit
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0]).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def rendezvous_store(host: str, port: int, world_size: int, rank: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's TCPStore: hosted by rank 0, on `host` alone where it is a loopback address (torch's own would
+    listen on every interface), waiting for the other ranks to join."""
+    listen_fd = None
+    if rank == 0 and is_loopback(host):
+        listen_fd = socket.create_server((host, port), backlog=max(128, world_size)).detach()  # the store's now
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True,
+                         master_listen_fd=listen_fd)  # fmt: skip
+
+
+def gloo_device(host: str):
+    """Where a gloo group's pairs listen: loopback where the rendezvous is (every member is on this machine), else
+    gloo's default (GLOO_SOCKET_IFNAME, or the address of this machine's hostname)."""
+    if is_loopback(host):
+        return dist.ProcessGroupGloo.create_device(hostname=host)
+    return dist.ProcessGroupGloo.create_default_device()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

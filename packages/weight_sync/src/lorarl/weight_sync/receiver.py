@@ -92,6 +92,7 @@ class BucketReceiver:
         if self.wire.rank == src:
             raise ValueError(f"BucketReceiver runs on ranks other than src ({src})")
         self.version: int | None = None
+        self.coverage = "full"  # what the transfer received last said it covers (`Update.coverage`)
         self._scratch: list[torch.Tensor | None] = [None, None]  # packed payloads being received (two buckets)
         # buffers of large tensors by size, free to land the next ones in: reused memory is already mapped, where a
         # fresh tensor per entry paid its page faults on every transfer
@@ -160,6 +161,7 @@ class BucketReceiver:
     def _start(self, kind: str) -> _Transfer:
         raw = self.wire.broadcast_bytes(None, "transfer header")
         header = TransferHeader.decode(raw)
+        self.coverage = header.coverage
         transfer = _Transfer(header)
         if header.manifest is not None:
             transfer.manifest_index = {spec.name: spec for spec in header.manifest}

@@ -89,6 +89,7 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         self.info: LorarlInitInfo | None = None
         self.channel: Channel | None = None
         self.factors = FactorMerger(self.model_config.dtype)  # the factor sync's pristine base weights
+        self.said: set[str] = set()  # notes logged once
 
     # --- vLLM's RL API ---------------------------------------------------------------------------------------------
 
@@ -122,6 +123,12 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         staged = self._stage(update)
         if update.form == "factors":
             self._merge_factors(staged, update.version)
+        elif self.channel.received_coverage(update) == "subset":
+            self._say_once("a version that covers some layers (a merged update after the first: the adapted modules "
+                           "alone) leaves vLLM's other layers as they are; its 'Failed to load weights' warnings for "
+                           "them are expected, and not shown")  # fmt: skip
+            with _quiet(LAYERWISE):
+                self._apply(staged, update.version)
         else:
             self._apply(staged, update.version)
 
@@ -160,8 +167,13 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         factors, base = read_factor_set(dict(staged))
         self.factors.store(base, share=self.channel.hands_over)  # in the trainer's process: its own tensors
         merging = self.factors.merged(factors)  # checked here, before the model is touched; merged as it loads
-        with _quiet("vllm.model_executor.model_loader.reload.layerwise"):  # "Failed to load weights" for each layer
+        with _quiet(LAYERWISE):  # "Failed to load weights" for each layer the set leaves alone
             self._apply(merging, version)
+
+    def _say_once(self, text: str) -> None:
+        if text not in self.said and worker_rank() == 0:
+            logging.getLogger("vllm.lorarl").info(text)  # vLLM's own handler shows it
+        self.said.add(text)
 
 
 def worker_rank() -> int:
@@ -169,6 +181,9 @@ def worker_rank() -> int:
     from vllm.distributed.parallel_state import get_world_group
 
     return get_world_group().rank
+
+
+LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's reload, which warns of layers not loaded
 
 
 @contextlib.contextmanager

@@ -35,7 +35,14 @@ def connect(address: str | None, *, cpus: int) -> bool:
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = ray_constants.env_bool("RAY_ENABLE_UV_RUN_RUNTIME_ENV", True)
     if ray.is_initialized():  # e.g. inside a trainer rank that is itself a Ray actor
         return False
-    ray.init(address=address, num_cpus=None if address else max(os.cpu_count() or 1, cpus), include_dashboard=False)
+    if address:
+        ray.init(address=address, include_dashboard=False)
+        return True
+    # a cluster of this machine alone listens on loopback (Ray authenticates no one): what Ray does where it takes
+    # clusters to be off, its node's address loopback; in its processes and, read at import, in this one
+    os.environ.setdefault(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
+    ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, True)
+    ray.init(num_cpus=max(os.cpu_count() or 1, cpus), include_dashboard=False)
     return True
 
 

@@ -107,6 +107,11 @@ class Environment:
         return [], []
 
     @classmethod
+    def check_examples(cls, examples: list) -> None:
+        """The run's data rows (`data.Example`), checked once they have loaded: raise `TrainerError` naming a row this
+        environment cannot play, before any episode starts."""
+
+    @classmethod
     def conclude(cls, groups: list[list]) -> None:
         """A batch's episodes (`episodes.Episode`) once every one has ended, grouped by data row: for what an
         environment does with a whole group (a rubric that scores a group together) or with how an episode ended (a

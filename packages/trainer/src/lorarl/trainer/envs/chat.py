@@ -36,7 +36,9 @@ class ChatTemplate:
 
     def __init__(self, tokenizer, tools: Sequence[dict] = ()):
         if not getattr(tokenizer, "chat_template", None):
-            raise TemplateError("a chat environment needs a tokenizer with a chat template (the policy's has none)")
+            raise TemplateError("a chat environment needs a tokenizer with a chat template, and the policy's has none "
+                                "(a chat model — task=calculator's embedded one has a template —, or a token-level "
+                                "Environment)")  # fmt: skip
         self.tokenizer, self.tools = tokenizer, list(tools) or None
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id])
         rendered = self.render(list(REFERENCE), generation_prompt=False)

@@ -12,14 +12,17 @@ by the action starts a new segment.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from lorarl.trainer.context import DEFAULT_EPISODE_TOKENS
 from lorarl.trainer.engines.base import SamplingParams
 from lorarl.trainer.envs import ENVIRONMENTS, SINGLE_TURN
 from lorarl.trainer.envs.base import Action, Environment, EnvSetup, Observation, Step
+from lorarl.trainer.envs.chat import ChatEnvironment, TemplateError, chat_template
 from lorarl.trainer.envs.processes import EnvProcesses, RemoteEnvironment
-from lorarl.trainer.envs.scheduling import EnvPool, TurnBatcher, env_method, event_loop
+from lorarl.trainer.envs.scheduling import CallTimedOut, EnvPool, HungCalls, TurnBatcher, env_method, event_loop
 from lorarl.trainer.envs.tools import load_tools
 from lorarl.trainer.errors import TrainerError
 
@@ -65,6 +68,7 @@ class Episode:
     rewards: list[float] = field(default_factory=list)  # each turn's
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str = ""
+    timed_turns: int = 0  # actions sampled in a batch made up by timing (`TurnBatcher.sample`)
 
     @property
     def done(self) -> bool:
@@ -103,8 +107,13 @@ class EpisodeRunner:
         entry = ENVIRONMENTS[section.name]
         self.environment = entry.environment
         self.setup = EnvSetup(tokenizer, section, entry.settings_in(section), load_tools(section.tools), system_prompt)
+        if issubclass(self.environment, ChatEnvironment):  # its template checked now, not at the first episode
+            try:
+                chat_template(tokenizer, json.dumps([tool.schema for tool in self.setup.tools]))
+            except TemplateError as e:
+                raise TemplateError(f"env.name={section.name}: {e}") from None
         self.owns_data = self.environment.owns_data  # its reset can make the task (data.train_files=[])
-        self.pool = EnvPool(section.concurrency)
+        self.pool = EnvPool(section.concurrency, section.max_hung_calls)
         self.processes = EnvProcesses(section.processes, self.environment, self.setup) if section.processes else None
 
     def close(self) -> None:
@@ -114,8 +123,9 @@ class EpisodeRunner:
 
     def bound(self, max_prompt_tokens: int | None, max_context: int | None) -> None:
         """The longest first observation (`data.max_prompt_tokens`), and the longest context the engine takes
-        (`context.fit_context`); None: unbounded."""
+        (`context.fit_context`, which sets an unset `env.max_tokens` too); None: unbounded."""
         self.max_prompt_tokens, self.max_context = max_prompt_tokens, max_context
+        self.max_tokens = self.section.max_tokens or DEFAULT_EPISODE_TOKENS  # an episode's budget
 
     def episodes(self, examples: list, n: int) -> list[Episode]:
         """`n` episodes per example, not reset yet (`play` resets them)."""
@@ -166,14 +176,15 @@ class EpisodeRunner:
                 await self._reset(episode)
             turn = 0
             while not episode.done:
-                left, room = s.max_tokens - episode.spent, self._room(episode.context)
+                left, room = self.max_tokens - episode.spent, self._room(episode.context)
                 if room < 1:  # the context fills the engine's: no token fits after it
                     episode.stop_reason = "context"
                     break
                 max_tokens = max(1, min(sampling.max_tokens, left, room))
                 params = replace(sampling, n=1, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
                                  stop=episode.stop, seed=sampling.seed + 104729 * order + 7919 * turn)  # fmt: skip
-                completion = await batcher.sample(order, episode.context, params)
+                completion, timed = await batcher.sample(order, episode.context, params)
+                episode.timed_turns += timed
                 await self._act(episode, completion, left, room, last_turn=turn == s.max_turns - 1)
                 turn += 1
             if self.processes:
@@ -245,7 +256,7 @@ class EpisodeRunner:
         if self._room(following) < 1:  # no room left for another action
             episode.stop_reason = "context"
             return
-        if len(following) - len(episode.prompt) >= self.section.max_tokens:
+        if len(following) - len(episode.prompt) >= self.max_tokens:
             episode.stop_reason = "budget"
             return
         if following[: len(episode.context)] == episode.context:
@@ -257,15 +268,14 @@ class EpisodeRunner:
     async def _guarded(self, episode: Episode, what: str, argument):
         """The environment's `what` (reset or step) of `argument`: awaited where it is `async` (or `steps_async`: a
         chat environment with async tools), else on a thread of the pool (`env.concurrency` at once either way), for
-        at most `env.timeout_s`. If it raises or runs out of time: stop the run naming the row, or end the episode
-        with `env.error_score` (`env.on_error=score`; stop reason error or timeout)."""
-        call = self.pool.call(env_method(episode.env, what), argument)
-        limit = self.section.timeout_s or None
+        at most `env.timeout_s` from when it starts. If it raises or runs out of time: stop the run naming the row,
+        or end the episode with `env.error_score` (`env.on_error=score`; stop reason error or timeout)."""
         try:
-            async with asyncio.timeout(limit) as deadline:
-                return await call
+            return await self.pool.call(env_method(episode.env, what), argument, self.section.timeout_s or None)
+        except HungCalls:  # the run stops, whatever env.on_error says
+            raise
         except Exception as e:
-            timed_out = isinstance(e, TimeoutError) and deadline.expired()
+            timed_out = isinstance(e, CallTimedOut)
             if self.section.on_error == "raise":
                 where = episode.example.where or f"prompt {str(episode.example.prompt)[:80]!r}"
                 failure = f"ran out of env.timeout_s={self.section.timeout_s:g} s" if timed_out else "raised"
@@ -300,7 +310,9 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """What the episodes did: turns, tokens, why they ended, the environments' own counts, each turn's reward."""
     count = len(episodes)
     metrics = {
+        "env/failed": sum(e.stop_reason in ("error", "timeout") for e in episodes) / count,
         "env/turns": sum(len(e.actions) for e in episodes) / count,
+        "env/timed_turns": sum(e.timed_turns for e in episodes) / max(1, sum(len(e.actions) for e in episodes)),
         "env/action_tokens": sum(e.action_tokens for e in episodes) / count,
         "env/episode_tokens": sum(e.spent for e in episodes) / count,
     }

@@ -65,15 +65,27 @@ class FactoryEnvironment(ToolEnvironment):
     factories: dict[str | None, Callable[[], object]]  # by name (None: the one class of a single factory)
     methods: dict[str | None, tuple[Tool, ...]]  # each class's tools, bound to its probed instance
 
+    @classmethod
+    def check_examples(cls, examples: list) -> None:
+        """A dict of environments: every row's `environment` names one of them."""
+        for example in examples:
+            cls._chosen(example, example.row())
+
+    @classmethod
+    def _chosen(cls, example, row: dict) -> str | None:
+        """The key of the environment `example` is played in (popped from its `row`: `reset` does not get it)."""
+        if None in cls.factories:
+            return None
+        key = row.pop(ROUTE, None)  # a dict: the row chooses
+        if key not in cls.factories:
+            raise TrainerError(f"{example.where}: {ROUTE}={key!r} is not one of the environments "
+                               f"{sorted(cls.factories)}")  # fmt: skip
+        return key
+
     def start(self, example) -> list[dict]:
         messages = super().start(example)
         row = example.row()
-        key = None
-        if None not in self.factories:  # a dict: the row chooses, and keeps its choice from `reset`
-            key = row.pop(ROUTE, None)
-            if key not in self.factories:
-                raise TrainerError(f"{example.where}: {ROUTE}={key!r} is not one of the environments "
-                                   f"{sorted(self.factories)}")  # fmt: skip
+        key = self._chosen(example, row)
         self.instance = self.factories[key]()
         own = [replace(tool, fn=getattr(self.instance, tool.name)) for tool in self.methods[key]]
         shadowed = sorted({t.name for t in own} & {t.name for t in self.setup.tools})

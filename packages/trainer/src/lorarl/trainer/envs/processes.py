@@ -185,19 +185,21 @@ def serve(connection, environment: bytes | None, spec: str, setup: tuple) -> Non
         connection.send(f"{type(e).__name__}: {e}")
         return
     connection.send("")
-    loop, pool, instances, lock = asyncio.new_event_loop(), EnvPool(section.concurrency), {}, threading.Lock()
+    loop, instances, lock = asyncio.new_event_loop(), {}, threading.Lock()
+    pool = EnvPool(section.concurrency, section.max_hung_calls)
 
     async def answer(request: int, key: int, what: str, argument) -> None:
         try:
             if what == "reset":
                 instances[key] = environment(setup)
             env = instances[key]
+            limit = section.timeout_s or None  # given up on here too: a hung call's thread is let go
             if what == "collect":
                 del instances[key]
                 result = await pool.run(lambda: (float(env.final_reward()), env.conversation(argument),
-                                                 env.reward_columns()))  # fmt: skip
+                                                 env.reward_columns()), limit)  # fmt: skip
             else:
-                result = await pool.call(env_method(env, what), argument)
+                result = await pool.call(env_method(env, what), argument, limit)
             reply = pickle.dumps((request, result, None))
         except BaseException as e:  # the episode's, raised where it waits
             reply = pickle.dumps((request, None, _portable(e)))

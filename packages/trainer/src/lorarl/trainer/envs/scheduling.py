@@ -13,13 +13,16 @@ thread, while the blocking environment calls go on in theirs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from lorarl.trainer.engines.base import Completion, SamplingParams
+from lorarl.trainer.errors import TrainerError
 
 _loops = threading.local()
 
@@ -38,63 +41,152 @@ def env_method(env, what: str) -> Callable:
     return env.astep if what == "step" and getattr(env, "steps_async", False) else getattr(env, what)
 
 
+class CallTimedOut(TimeoutError):
+    """An environment call ran past its time limit (`env.timeout_s`), counted from when it started: time spent waiting
+    for its turn (`env.concurrency`) is not its own."""
+
+
+class HungCalls(TrainerError):
+    """More blocking environment calls than a run may leave running (`env.max_hung_calls`) were given up on and never
+    returned: the run stops (whatever `env.on_error` says)."""
+
+
+@dataclass(eq=False)
+class _Job:
+    """A blocking call, queued for a thread of the pool."""
+
+    call: Callable[[], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    started: float | None = None  # when a thread took it
+    given_up: bool = False  # its episode stopped waiting for it (env.timeout_s)
+
+
 class EnvPool:
     """At most `size` environment calls at once (`env.concurrency`): blocking ones on up to `size` daemon threads,
-    async ones awaited, `size` at a time on each loop. Threads start as calls wait for one: the first at once, more
-    once a call has waited `GROW_AFTER_S` (calls that answer at once are served by a few threads, which do not contend
-    for the interpreter; slow ones get a thread each, up to `size`)."""
+    async ones awaited, `size` at a time on each loop.
+
+    Threads start as calls need them: the first at once; more only while calls wait and every thread is held by a call
+    that has run `GROW_AFTER_S` already — so calls that answer at once are served by one thread (no contention for
+    the interpreter), and slow ones get a thread each, up to `size`. A call given up on (`env.timeout_s`) no longer
+    holds its place: one not started is skipped; one still running keeps its thread, which leaves the pool (another
+    serves the queue in its stead) and ends if the call ever returns. Such threads are leaked (`hung` counts them: the
+    trainer logs it as env/hung_threads, and says so once): at most `max_hung` at once (`env.max_hung_calls`), then
+    every call raises `HungCalls`."""
 
     GROW_AFTER_S = 0.005
 
-    def __init__(self, size: int):
-        self.size, self.calls, self.threads, self.idle = size, queue.SimpleQueue(), 0, 0
+    def __init__(self, size: int, max_hung: int = 1024):
+        self.size, self.max_hung = size, max_hung
+        self.calls: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.threads = 0  # serving the queue (those left to a call given up on are not counted)
+        self.idle = 0
+        self.running: set[_Job] = set()
+        self.hung = 0  # threads left to calls given up on, still in them
+        self.growing: set[asyncio.AbstractEventLoop] = set()  # the loops a look at starting threads is due on
         self.lock = threading.Lock()
         self.limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
-    async def call(self, method: Callable, argument):
-        """`method(argument)`: awaited where it is `async`, else on one of the threads."""
+    async def call(self, method: Callable, argument, timeout: float | None = None):
+        """`method(argument)`: awaited where it is `async`, else on one of the threads; `CallTimedOut` once it has
+        run `timeout` seconds (None: no limit)."""
         if not inspect.iscoroutinefunction(method):
-            return await self.run(lambda: method(argument))
+            return await self.run(lambda: method(argument), timeout)
         loop = asyncio.get_running_loop()
         with self.lock:
             limit = self.limits.setdefault(loop, asyncio.Semaphore(self.size))
         async with limit:
-            return await method(argument)
+            try:
+                async with asyncio.timeout(timeout) as deadline:
+                    return await method(argument)
+            except TimeoutError:
+                if deadline.expired():
+                    raise CallTimedOut from None
+                raise
 
-    async def run(self, call: Callable[[], object]):
-        """`call()` on one of the threads, awaited on the running loop."""
+    async def run(self, call: Callable[[], object], timeout: float | None = None):
+        """`call()` on one of the threads, awaited on the running loop; `CallTimedOut` once it has run `timeout`
+        seconds (None: no limit)."""
+        if self.hung >= self.max_hung:
+            raise HungCalls(f"{self.hung} blocking environment calls were given up on at env.timeout_s and never "
+                            f"returned, each holding a thread (env.max_hung_calls={self.max_hung}): the environment "
+                            "hangs; make its calls return, or end them itself within a time limit")  # fmt: skip
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.calls.put((call, loop, future))
+        job = _Job(call, loop, loop.create_future())
+        self.calls.put(job)
         with self.lock:
             if self.threads == 0:
                 self._start(1)
-            elif self.calls.qsize() > self.idle:
-                loop.call_later(self.GROW_AFTER_S, self._grow)
-        return await future
+            elif self.calls.qsize() > self.idle and loop not in self.growing:
+                self.growing.add(loop)  # one look at a time on a loop, not one per call
+                loop.call_later(self.GROW_AFTER_S, self._grow, loop)
+        try:
+            if timeout is None:
+                return await job.future
+            while True:  # until `timeout` after the thread took it: the first wait counts from now
+                end = (job.started or time.monotonic()) + timeout
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(end - time.monotonic() + loop.time()):
+                        return await asyncio.shield(job.future)
+                if job.started is not None and time.monotonic() >= job.started + timeout:
+                    raise CallTimedOut
+        except (asyncio.CancelledError, CallTimedOut):
+            self._give_up(job)
+            raise
 
-    def _grow(self) -> None:
-        """A thread for each call still waiting, up to `size` in all."""
+    def _grow(self, loop: asyncio.AbstractEventLoop) -> None:
+        """While calls wait and every thread is in a call that has run `GROW_AFTER_S`: a thread for each call waiting,
+        up to `size` in all; looked at again after `GROW_AFTER_S` while calls still wait."""
         with self.lock:
-            self._start(min(self.calls.qsize() - self.idle, self.size - self.threads))
+            self.growing.discard(loop)
+            waiting = self.calls.qsize() - self.idle
+            if waiting <= 0:
+                return
+            now = time.monotonic()
+            slow = sum(now - job.started >= self.GROW_AFTER_S for job in self.running if not job.given_up)
+            if slow >= self.threads:
+                self._start(min(waiting, self.size - self.threads))
+            if self.threads < self.size:
+                self.growing.add(loop)
+                loop.call_later(self.GROW_AFTER_S, self._grow, loop)
 
     def _start(self, count: int) -> None:
         for _ in range(max(0, count)):
             self.threads += 1
             threading.Thread(target=self._serve, name="lorarl-env", daemon=True).start()
 
+    def _give_up(self, job: _Job) -> None:
+        """Its episode no longer waits for `job`: skipped if not started; if running, its thread leaves the pool."""
+        with self.lock:
+            job.given_up = True
+            if job not in self.running:
+                return
+            self.threads -= 1
+            self.hung += 1
+            if self.calls.qsize() > self.idle:
+                self._start(1)
+
     def _serve(self) -> None:
         while True:
             with self.lock:
                 self.idle += 1
-            call, loop, future = self.calls.get()
+            job = self.calls.get()
             with self.lock:
                 self.idle -= 1
+                if job.given_up:  # its episode stopped waiting before it started
+                    continue
+                job.started = time.monotonic()
+                self.running.add(job)
             try:
-                result, error = call(), None
+                result, error = job.call(), None
             except BaseException as e:  # handed to the episode whose call it was
                 result, error = None, e
-            loop.call_soon_threadsafe(settle, future, result, error)
+            with self.lock:
+                self.running.discard(job)
+                if job.given_up:  # this thread left the pool when its call was given up on
+                    self.hung -= 1
+                    return
+            job.loop.call_soon_threadsafe(settle, job.future, result, error)
 
 
 def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
@@ -117,8 +209,10 @@ class TurnBatcher:
         self.first_wait = 0.0  # when the oldest waiting request came
         self.changed = asyncio.Event()
 
-    async def sample(self, order: int, context: Sequence[int], params: SamplingParams) -> Completion:
-        """Episode `order`'s next action: a completion of `context` sampled with `params`."""
+    async def sample(self, order: int, context: Sequence[int], params: SamplingParams) -> tuple[Completion, bool]:
+        """Episode `order`'s next action: a completion of `context` sampled with `params`; and whether its batch went
+        while other episodes were still in environment calls (`env.batch_wait_s` ran out): that batch's make-up, and
+        so its rows' rounding in bf16, depended on timing."""
         future = asyncio.get_running_loop().create_future()
         if not self.waiting:
             self.first_wait = time.monotonic()
@@ -145,6 +239,7 @@ class TurnBatcher:
                 except TimeoutError:
                     break
             orders = sorted(self.waiting)
+            timed = self.running > 0  # episodes still in environment calls: this batch's make-up is timing's
             taken = [self.waiting.pop(order) for order in orders]
             self.running += len(taken)  # answered (below) or failed, each goes on
             try:  # on the loop's thread: torch's work stays on the thread that owns it (a thread of its own measured
@@ -157,7 +252,7 @@ class TurnBatcher:
                 continue
             for (_, _, future), completion in zip(taken, completions, strict=True):
                 if not future.done():
-                    future.set_result(completion)
+                    future.set_result((completion, timed))
 
     def _due(self) -> bool:
         """Whether the waiting requests go now: no episode is in an environment call, or the first has waited long

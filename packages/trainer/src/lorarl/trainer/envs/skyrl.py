@@ -15,6 +15,8 @@ generator appends them), each step's reward is the turn's. As SkyRL's generator 
 from __future__ import annotations
 
 import copy
+import socket
+import urllib.parse
 
 from lorarl.trainer.envs.chat import ChatEnvironment, Reply
 from lorarl.trainer.errors import TrainerError
@@ -24,6 +26,30 @@ try:
 except ImportError:
     raise TrainerError("env=skyrl_gym needs the skyrl-gym extra: uv sync --extra skyrl-gym (in lorarl's workspace), "
                        "or pip install 'lorarl-trainer[skyrl-gym]'") from None  # fmt: skip
+
+
+_answering: dict[str, str] = {}  # a service's URL: "" where it answers, else why not
+
+
+def check_services(env_id: str, env_config: dict) -> None:
+    """The services an environment's `env_config` names (`*_url`: search's retrieval server) accept connections, or
+    one line naming the key: SkyRL retries a call to one that does not for about 45 s, then hands the model the error
+    text as its observation, and the run goes on learning nothing. Checked once per URL."""
+    for field, url in env_config.items():
+        if not (field.endswith("_url") and isinstance(url, str) and url.startswith(("http://", "https://"))):
+            continue
+        if url not in _answering:
+            parts = urllib.parse.urlsplit(url)
+            try:
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+                socket.create_connection((parts.hostname, port), timeout=5).close()
+                _answering[url] = ""
+            except OSError as e:
+                _answering[url] = f"{type(e).__name__}: {e}"
+        if _answering[url]:
+            raise TrainerError(f"env.skyrl_gym.{env_id}.{field}={url}: nothing answers there ({_answering[url]}); "
+                               f"SkyRL's {env_id} environment calls it every turn: start it, or point the key at "
+                               "it")  # fmt: skip
 
 
 class SkyRLGymEnvironment(ChatEnvironment):
@@ -38,8 +64,9 @@ class SkyRLGymEnvironment(ChatEnvironment):
         env_id = columns.pop("env_class", None) or self.settings.id
         extras = {"reward_spec": {"method": "rule", "ground_truth": example.answer}, "extra_info": {}, **columns,
                   "max_turns": self.setup.section.max_turns}  # fmt: skip
-        env_config = OmegaConf.create(getattr(self.settings, env_id, None) or {})
-        self.gym = skyrl_gym.make(env_id, env_config=env_config, extras=extras)
+        env_config = getattr(self.settings, env_id, None) or {}
+        check_services(env_id, env_config)
+        self.gym = skyrl_gym.make(env_id, env_config=OmegaConf.create(env_config), extras=extras)
         messages, _ = self.gym.init(super().start(example))
         return list(messages)
 

@@ -428,9 +428,23 @@ def _field(body: dict, key: str, kind, where: str = "body"):
     """`body[key]`, checked: a missing or mistyped field is the client's error, named."""
     if not isinstance(body, dict) or key not in body or body[key] is None:
         raise RequestError(f"{where}: expected the field {key!r}")
-    if not isinstance(body[key], kind):
-        raise RequestError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {type(body[key]).__name__}")
+    if not isinstance(body[key], kind) or (isinstance(body[key], bool) and bool not in _kinds(kind)):
+        raise RequestError(f"{where}.{key}: expected {_kind_name(kind)}, got {repr(body[key])[:80]}")
     return body[key]
+
+
+def _kinds(kind) -> tuple:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind) -> str:
+    """What a JSON client would call `kind`: a number, a string, an object, a list, an integer."""
+    names = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",
+             bool: "true or false"}  # fmt: skip
+    kinds = _kinds(kind)
+    if set(kinds) == {int, float}:
+        return "a number"
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
 def _number(body: dict, key: str, kind: type, default, where: str = "body"):
