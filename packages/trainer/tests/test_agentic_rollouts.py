@@ -289,11 +289,13 @@ def test_a_run_whose_environment_hangs_on_one_episode_in_eight_keeps_learning(ti
     assert capsys.readouterr().out.count("ran past env.timeout_s and never returned") == 1
 
 
-def test_calls_that_answer_at_once_are_served_by_one_thread():
+def test_calls_that_answer_at_once_are_served_by_a_thread_or_a_few():
+    """One thread on a quiet machine; where other work takes the cores, a thread descheduled for longer than the
+    pool's look (5 ms) makes it start another or two, never one per call (256 threads, before)."""
     Instant.threads = set()
     episodes, _, run = play("instant", Instant, episodes=256)
     assert [e.stop_reason for e in episodes] == ["done"] * 256
-    assert len(Instant.threads) == run.pool.threads == 1
+    assert len(Instant.threads) <= run.pool.threads <= 4
 
 
 def test_each_request_samples_with_its_own_stop_length_and_seed_on_the_hf_engine():

@@ -26,6 +26,7 @@ head keeps a prepacked GEMM of its own), which the tests check by generating aft
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -172,7 +173,7 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
 
     def _say_once(self, text: str) -> None:
         if text not in self.said and worker_rank() == 0:
-            logging.getLogger("vllm.lorarl").info(text)  # vLLM's own handler shows it
+            print(f"lorarl: {text}", file=sys.stderr, flush=True)
         self.said.add(text)
 
 

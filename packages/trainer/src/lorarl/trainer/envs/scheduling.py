@@ -66,9 +66,10 @@ class EnvPool:
     """At most `size` environment calls at once (`env.concurrency`): blocking ones on up to `size` daemon threads,
     async ones awaited, `size` at a time on each loop.
 
-    Threads start as calls need them: the first at once; more only while calls wait and every thread is held by a call
-    that has run `GROW_AFTER_S` already — so calls that answer at once are served by one thread (no contention for
-    the interpreter), and slow ones get a thread each, up to `size`. A call given up on (`env.timeout_s`) no longer
+    Threads start as calls need them: the first at once; more only while calls wait and none has ended for
+    `GROW_AFTER_S` (every thread is held by a call that takes its time), twice as many each time, up to `size` — so
+    calls that answer at once are served by one thread (no contention for the interpreter), and slow ones soon get a
+    thread each. A call given up on (`env.timeout_s`) no longer
     holds its place: one not started is skipped; one still running keeps its thread, which leaves the pool (another
     serves the queue in its stead) and ends if the call ever returns. Such threads are leaked (`hung` counts them: the
     trainer logs it as env/hung_threads, and says so once): at most `max_hung` at once (`env.max_hung_calls`), then
@@ -84,6 +85,7 @@ class EnvPool:
         self.running: set[_Job] = set()
         self.hung = 0  # threads left to calls given up on, still in them
         self.growing: set[asyncio.AbstractEventLoop] = set()  # the loops a look at starting threads is due on
+        self.ended = self.ended_at_look = 0  # calls ended, and how many had at the last look
         self.lock = threading.Lock()
         self.limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
@@ -135,17 +137,16 @@ class EnvPool:
             raise
 
     def _grow(self, loop: asyncio.AbstractEventLoop) -> None:
-        """While calls wait and every thread is in a call that has run `GROW_AFTER_S`: a thread for each call waiting,
-        up to `size` in all; looked at again after `GROW_AFTER_S` while calls still wait."""
+        """While calls wait and none has ended since the last look (`GROW_AFTER_S` ago): twice the threads, at most a
+        thread per call waiting and `size` in all; looked at again after `GROW_AFTER_S` while calls still wait."""
         with self.lock:
             self.growing.discard(loop)
             waiting = self.calls.qsize() - self.idle
             if waiting <= 0:
                 return
-            now = time.monotonic()
-            slow = sum(now - job.started >= self.GROW_AFTER_S for job in self.running if not job.given_up)
-            if slow >= self.threads:
-                self._start(min(waiting, self.size - self.threads))
+            if self.ended == self.ended_at_look:
+                self._start(min(waiting, self.size - self.threads, max(1, self.threads)))
+            self.ended_at_look = self.ended
             if self.threads < self.size:
                 self.growing.add(loop)
                 loop.call_later(self.GROW_AFTER_S, self._grow, loop)
@@ -183,6 +184,7 @@ class EnvPool:
                 result, error = None, e
             with self.lock:
                 self.running.discard(job)
+                self.ended += 1
                 if job.given_up:  # this thread left the pool when its call was given up on
                     self.hung -= 1
                     return
