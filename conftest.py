@@ -1,12 +1,13 @@
 """Shared test fixtures: tiny models built in code (no downloads), for every package's tests; and the order the suite
 runs in, on a worker per core (pytest-xdist: `-n auto` in pyproject.toml; `-n 0` runs in one process)."""
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
 
 import pytest
-from tiny_models import tiny_gpt2, tiny_qwen2
+from tiny_models import tiny_gpt2, tiny_moe, tiny_qwen2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,3 +44,13 @@ def make_qwen2():
 @pytest.fixture
 def make_gpt2():
     return tiny_gpt2
+
+
+@pytest.fixture
+def make_qwen3_moe():
+    return functools.partial(tiny_moe, "qwen3_moe")
+
+
+@pytest.fixture
+def make_qwen2_moe():
+    return functools.partial(tiny_moe, "qwen2_moe")

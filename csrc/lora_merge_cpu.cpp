@@ -670,8 +670,10 @@ constexpr bool kStreamingBuilt = true;
 constexpr bool kStreamingBuilt = false;
 #endif
 
+// `out` is a 3-D group of experts here (a 2-D merge is a group of one). Streaming is decided for the whole group: each
+// expert's output then starts 64-byte aligned too, since it is a whole number of 64-byte rows.
 bool stream_output(const at::Tensor& weight, const at::Tensor& out) {
-  const int64_t row_bytes = out.size(1) * out.element_size();
+  const int64_t row_bytes = out.size(2) * out.element_size();
   return kStreamingBuilt && out.nbytes() >= static_cast<size_t>(kStreamBytes) && row_bytes % 64 == 0 &&
          reinterpret_cast<uintptr_t>(out.const_data_ptr()) % 64 == 0 &&
          out.const_data_ptr() != weight.const_data_ptr();
@@ -692,14 +694,18 @@ void with_storage_type(at::ScalarType dtype, const char* name, Fn&& fn) {
   }
 }
 
-void merge_lora_cpu(const at::Tensor& weight, const at::Tensor& left, const at::Tensor& right, double scale,
-                    const at::Tensor& out) {
-  lorarl::check_merge_args(weight, left, right, out);
-  if (left.size(1) == 0) {  // rank 0: the weight, rounded once to out's dtype
+// Experts are merged one after the other, each by every thread: an expert's matrix (Qwen3-30B-A3B's are 1.5-3M
+// elements) keeps all threads busy with blocks of rows, and the factors' packing is the dense merge's.
+void merge_lora_cpu(const at::Tensor& weight_in, const at::Tensor& left_in, const at::Tensor& right_in, double scale,
+                    const at::Tensor& out_in) {
+  lorarl::check_merge_args(weight_in, left_in, right_in, out_in);
+  const at::Tensor weight = lorarl::grouped(weight_in), left = lorarl::grouped(left_in);
+  const at::Tensor right = lorarl::grouped(right_in), out = lorarl::grouped(out_in);
+  if (left.size(2) == 0) {  // rank 0: the weight, rounded once to out's dtype
     out.copy_(weight);
     return;
   }
-  const int64_t rank = left.size(1);
+  const int64_t experts = weight.size(0), m = weight.size(1), n = weight.size(2), rank = left.size(2);
   const at::Tensor left_f = left.to(at::kFloat).contiguous();
   const at::Tensor right_f = right.to(at::kFloat).contiguous();
   // bf16 factors of an even rank: multiplied as bf16 pairs (exact products, fp32 sums; twice the FMA rate). Their
@@ -708,9 +714,6 @@ void merge_lora_cpu(const at::Tensor& weight, const at::Tensor& left, const at::
                      rank % 2 == 0;
   const at::Tensor left_bf16 = pairs ? left.contiguous() : at::Tensor();
   const at::Tensor right_bf16 = pairs ? right.contiguous() : at::Tensor();
-  const Factors factors{left_f.const_data_ptr<float>(), right_f.const_data_ptr<float>(),
-                        pairs ? static_cast<const uint16_t*>(left_bf16.const_data_ptr()) : nullptr,
-                        pairs ? static_cast<const uint16_t*>(right_bf16.const_data_ptr()) : nullptr};
   const bool stream = stream_output(weight, out);
   with_storage_type(weight.scalar_type(), "weight", [&](auto* tw) {
     with_storage_type(out.scalar_type(), "out", [&](auto* to) {
@@ -723,8 +726,14 @@ void merge_lora_cpu(const at::Tensor& weight, const at::Tensor& left, const at::
       if constexpr (kPairsBuilt) {
         if (pairs) run = stream ? merge_cpu<true, true, TW, TO> : merge_cpu<false, true, TW, TO>;
       }
-      run(static_cast<const TW*>(weight.const_data_ptr()), static_cast<TO*>(out.mutable_data_ptr()), weight.size(0),
-          weight.size(1), factors, rank, static_cast<float>(scale));
+      for (int64_t e = 0; e < experts; ++e) {
+        const Factors factors{
+            left_f.const_data_ptr<float>() + e * m * rank, right_f.const_data_ptr<float>() + e * rank * n,
+            pairs ? static_cast<const uint16_t*>(left_bf16.const_data_ptr()) + e * m * rank : nullptr,
+            pairs ? static_cast<const uint16_t*>(right_bf16.const_data_ptr()) + e * rank * n : nullptr};
+        run(static_cast<const TW*>(weight.const_data_ptr()) + e * m * n,
+            static_cast<TO*>(out.mutable_data_ptr()) + e * m * n, m, n, factors, rank, static_cast<float>(scale));
+      }
     });
   });
 }

@@ -39,3 +39,38 @@ def tiny_lora_qwen2(*, rank: int = 8, dtype: torch.dtype = torch.bfloat16, seed:
     return get_peft_model(
         model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
     )
+
+
+def tiny_moe(
+    family: str = "qwen3_moe",
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    layers: int = 2,
+    experts: int = 8,
+    **overrides: int,
+):
+    """A random mixture of experts, top-2 routing by `mlp.gate`; transformers 5 fuses its experts into 3-D
+    parameters, `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]. `family`: "qwen3_moe",
+    or "qwen2_moe" (a shared expert beside the routed ones, `mlp.shared_expert`, weighed by its own sigmoid gate
+    `mlp.shared_expert_gate`). `overrides`: other config values (e.g. `moe_intermediate_size`)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    values = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": experts,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    }
+    values |= {"qwen3_moe": {"head_dim": 16}, "qwen2_moe": {"shared_expert_intermediate_size": 64}}[family]
+    name = {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe"}[family]
+    config = getattr(transformers, f"{name}Config")(**(values | overrides))
+    return getattr(transformers, f"{name}ForCausalLM")(config).to(dtype).eval()

@@ -68,3 +68,18 @@ def test_what_factors_cannot_carry_is_refused_naming_the_layer(make_qwen2):
         lora_factors(lora(make_qwen2(), r=4, target_modules=["q_proj"], lora_bias=True))
     with pytest.raises(NotImplementedError, match=r"norm: a module trained whole \(modules_to_save\)"):
         lora_factors(lora(make_qwen2(), r=4, target_modules=["q_proj"], modules_to_save=["norm"]))
+
+
+def test_expert_factors_rebuild_the_merged_experts(make_qwen3_moe):
+    """Fused experts' factors are 3-D (`[E, r, in]`, `[E, out, r]`), named by the parameter they adapt, and merge
+    with the grouped op into what the stream yields, bit for bit."""
+    model = lora(make_qwen3_moe(dtype=torch.bfloat16), r=4, target_modules=["q_proj"],
+                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    factors = lora_factors(model)
+    gate_up = factors["model.layers.0.mlp.experts.gate_up_proj"]
+    assert gate_up.lora_A.shape == (8, 4, 64)
+    assert gate_up.lora_B.shape == (8, 64, 4)
+    assert not gate_up.fan_in_fan_out
+    adapted = ("self_attn.q_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    assert set(factors) == {f"model.layers.{i}.{n}" for i in range(2) for n in adapted}
+    assert_bit_identical(model, torch.bfloat16)

@@ -256,3 +256,68 @@ def test_the_adapted_names_are_what_merging_changes_and_include_streams_them_alo
     assert all(torch.equal(tensor, streamed[name]) for name, tensor in subset)
     specs = merged_weight_specs(model, include=set(names).__contains__)
     assert [(name, tuple(shape)) for name, shape, _ in specs] == [(n, tuple(t.shape)) for n, t in subset]
+
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_fused_experts_merge_as_peft_merges_them(make_qwen3_moe, make_qwen2_moe, family, dtype):
+    """LoRA on fused experts (peft's `target_parameters`: nested `ParamWrapper`s on `mlp.experts`), on attention, and
+    on Qwen2-MoE's shared expert: the merged 3-D expert tensors under the model's own names, as peft merges them
+    (in fp32: its `merge_and_unload`, and its own per-expert delta; in bf16, where peft rounds twice, each expert
+    against float64 with peft's flat factors read column by column)."""
+    make = make_qwen3_moe if family == "qwen3_moe" else make_qwen2_moe
+    shared = ["shared_expert.gate_proj", "shared_expert.down_proj"] if family == "qwen2_moe" else []
+    model = lora(make(dtype=dtype, moe_intermediate_size=24), r=4, lora_alpha=8, target_modules=["q_proj", *shared],
+                 target_parameters=EXPERTS)  # fmt: skip
+    experts = model.base_model.model.model.layers[1].mlp.experts  # the outer wrapper: down_proj; inside, gate_up
+    assert type(experts.base_layer).__name__ == "ParamWrapper"
+    if dtype == torch.float32:
+        merged = assert_same_as_peft(model)
+    else:
+        merged = dict(iter_merged_weights(model))
+        assert list(merged) == list(reference_state(model))
+    assert not any("lora_" in k or "base_layer" in k for k in merged)
+    for wrapper in (experts, experts.base_layer):
+        name = f"model.layers.1.mlp.experts.{wrapper.parameter_name}"
+        weight = wrapper.get_param()
+        assert merged[name].shape == weight.shape == ((8, 48, 64) if "gate_up" in name else (8, 64, 24))
+        flat_A, flat_B = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+        if dtype == torch.float32:
+            expected = weight + wrapper.get_delta_weight("default")
+            torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6)
+        for e in range(8):  # expert e's rank k is column k·E + e of the flat B
+            B_e = torch.stack([flat_B[:, k * 8 + e] for k in range(4)], dim=1)
+            assert_merged_close(merged[name][e], weight[e], flat_A[4 * e : 4 * e + 4], B_e, wrapper.scaling["default"])
+    if family == "qwen2_moe":
+        assert "model.layers.1.mlp.shared_expert.gate_proj.weight" in merged
+
+
+def test_experts_stored_in_out_merge_transposed():
+    """A module keeping its experts `[E, in, out]` (`is_transposed`, as gpt-oss): peft adds each expert's delta
+    transposed, and so does the stream."""
+
+    class Experts(nn.Module):
+        is_transposed = True
+
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Parameter(torch.randn(4, 16, 40))  # [E, in, out]
+
+        def forward(self, x):
+            return torch.einsum("bi,eio->beo", x, self.up)
+
+    torch.manual_seed(3)
+    model = lora(nn.Sequential(Experts()), r=3, target_modules=[], target_parameters=["0.up"])
+    merged = assert_same_as_peft(model)
+    assert merged["0.up"].shape == (4, 16, 40)
+
+
+def test_expert_names_and_specs(make_qwen3_moe):
+    model = lora(make_qwen3_moe(), r=4, target_modules=["o_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    names = adapted_weight_names(model)
+    assert names == [f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.o_proj.weight", EXPERTS[0])]
+    specs = merged_weight_specs(model, dtype=torch.bfloat16)
+    assert specs == [(n, t.shape, t.dtype) for n, t in iter_merged_weights(model, dtype=torch.bfloat16)]

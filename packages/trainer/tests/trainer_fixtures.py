@@ -40,6 +40,23 @@ def make_model_dir(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def make_moe_model_dir(directory: Path, family: str = "qwen3_moe", seed: int = 0, **overrides: int) -> Path:
+    """A tiny random mixture of experts with the character tokenizer, as `make_model_dir`'s: Qwen3-MoE (8 fused
+    experts, top-2) or Qwen2-MoE (the same beside a shared expert and its gate); heads of 32, as vLLM's CPU attention
+    takes them. `overrides`: other config values."""
+    from tiny_models import tiny_moe
+
+    tokenizer = default_task.build_tokenizer()
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
+    shape = {"vocab_size": 16, "hidden_size": 32, "num_attention_heads": 1, "num_key_value_heads": 1,
+             "moe_intermediate_size": 32, "max_position_embeddings": 64} | overrides  # fmt: skip
+    model = tiny_moe(family, seed=seed, **shape, **({"head_dim": 32} if family == "qwen3_moe" else {}), **ids)
+    torch.nn.init.normal_(model.get_input_embeddings().weight, std=0.05)  # near-uniform samples: 7s to learn from
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def make_tiny_setup(root: Path) -> dict[str, str]:
     model = make_model_dir(root / "model")
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(20) for b in range(20)]

@@ -1,6 +1,13 @@
 """Fused out-of-place LoRA merge (`W + s·B@A` at memory speed) and layered merged-weight streaming from peft models."""
 
-from lorarl.lora_merge.merge import BACKENDS, available_backends, cpu_has_native_bf16, merge_lora, merge_lora_
+from lorarl.lora_merge.merge import (
+    BACKENDS,
+    available_backends,
+    cpu_has_native_bf16,
+    merge_lora,
+    merge_lora_,
+    merge_lora_grouped,
+)
 from lorarl.lora_merge.streaming import (
     LoraFactors,
     adapted_weight_names,
@@ -21,5 +28,6 @@ __all__ = [
     "merge_factors",
     "merge_lora",
     "merge_lora_",
+    "merge_lora_grouped",
     "merged_weight_specs",
 ]

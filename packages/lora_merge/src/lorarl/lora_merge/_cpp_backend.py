@@ -111,6 +111,7 @@ def load_op(with_cuda: bool) -> None:
 
 
 def merge(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """`out = weight + scale * left @ right` with the compiled op (contiguous `weight` and `out`)."""
+    """`out[e] = weight[e] + scale * left[e] @ right[e]` for each expert e of the 3-D tensors (a dense merge is a group
+    of one) with the compiled op (contiguous `weight` and `out`)."""
     load_op(weight.is_cuda)
     torch.ops.lorarl.merge_lora(weight, left, right, scale, out)

@@ -2,9 +2,10 @@
 
 Each program loads one `BLOCK_M x BLOCK_N` tile of W (early, so the load is in flight while the product is
 computed), computes `left_tile @ right_tile` in fp32 with `tl.dot`, adds, rounds once and writes the tile to `out`
-(which may be W itself). Ranks up to 128 (nearly every adapter) take one `tl.dot` with no loop around it: on an H100
-that alone lifted the merge from 0.71 to 0.85 of copy bandwidth (bf16 W, rank 8), the loop's scheduling costing more
-than its one iteration; larger ranks are walked in chunks of 128.
+(which may be W itself); a group of experts is one launch, the grid's third axis the expert. Ranks up to 128 (nearly
+every adapter) take one `tl.dot` with no loop around it: on an H100 that alone lifted the merge from 0.71 to 0.85 of
+copy bandwidth (bf16 W, rank 8), the loop's scheduling costing more than its one iteration; larger ranks are walked
+in chunks of 128.
 
 Precision: 16-bit factors go into `tl.dot` as they are (exact products, fp32 accumulation). fp32 factors (peft's
 default) are split into bf16 parts on the tensor cores, because plain fp32 FMAs at rank 128 take several times longer
@@ -64,6 +65,11 @@ def _merge_kernel(
     ONE_CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    expert = tl.program_id(2).to(tl.int64)  # this program's expert: its matrices follow the previous experts'
+    w_ptr += expert * m * n
+    out_ptr += expert * m * n
+    left_ptr += expert * m * r
+    right_ptr += expert * r * n
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < m) & (cols[None, :] < n)
@@ -103,9 +109,10 @@ def dot_precision(factor_dtype: torch.dtype, out_dtype: torch.dtype, rank: int) 
 
 
 def merge(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """`out = weight + scale * left @ right` with the Triton kernel (contiguous `weight` and `out`)."""
-    m, n = weight.shape
-    r = left.shape[1]
+    """`out[e] = weight[e] + scale * left[e] @ right[e]` for each expert e of the 3-D tensors (a dense merge is a group
+    of one) with the Triton kernel (contiguous `weight` and `out`)."""
+    experts, m, n = weight.shape
+    r = left.shape[2]
     factor_dtype = torch.promote_types(left.dtype, right.dtype)
     if interpreting() or factor_dtype not in (torch.bfloat16, torch.float16):
         factor_dtype = torch.float32
@@ -115,8 +122,8 @@ def merge(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: 
     block_r = max(16, min(MAX_BLOCK_R, triton.next_power_of_2(r)))
     # The interpreter: one small fixed tile, into fp32, rounded by torch (the interpreter's bf16 cast truncates).
     config = {"BLOCK_M": 32, "BLOCK_N": 32} if interpreting() else tile_config(weight.dtype, r)
-    target = torch.empty(m, n, dtype=torch.float32, device=weight.device) if interpreting() else out
-    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+    target = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if interpreting() else out
+    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]), experts)
     _merge_kernel[grid](
         weight, target, left, right, m, n, r, scale, BLOCK_R=block_r, ONE_CHUNK=r <= block_r, PRECISION=precision,
         **config,

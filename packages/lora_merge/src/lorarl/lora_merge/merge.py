@@ -1,4 +1,5 @@
-"""`merge_lora`: `W + scale * (B @ A)` out of place, fp32 accumulation, one rounding, no full-size temporary.
+"""`merge_lora`: `W + scale * (B @ A)` out of place, fp32 accumulation, one rounding, no full-size temporary;
+`merge_lora_grouped`: the same for every expert of a mixture of experts at once, in one call of the same kernels.
 
 Backends: "triton" (CUDA tensors, or CPU under TRITON_INTERPRET=1), "cpp" (the C++/CUDA op from csrc/, JIT-built),
 "torch" (fp32 addmm on row tiles, the readable reference) and "auto" (Triton on CUDA, the C++ op on CPU, falling back
@@ -36,21 +37,49 @@ def merge_lora(
     `lora_B [out, r]`. `weight` is never modified unless `out is weight`. `out` defaults to a new tensor like
     `weight`; it may have another float dtype (e.g. an fp32 master weight merged straight into bf16).
     """
-    _check_tensor(weight, "weight", WEIGHT_DTYPES)
-    _check_tensor(lora_A, "lora_A")
-    _check_tensor(lora_B, "lora_B")
-    rows, cols = weight.shape
-    fan_in, fan_out = (rows, cols) if fan_in_fan_out else (cols, rows)
-    rank = lora_A.shape[0]
-    if lora_A.shape[1] != fan_in:
-        raise ValueError(
-            f"lora_A must have shape [r, in] = [r, {fan_in}] for weight {tuple(weight.shape)}"
-            f"{' (fan_in_fan_out)' if fan_in_fan_out else ''}, got {tuple(lora_A.shape)}"
-        )
-    if lora_B.shape != (fan_out, rank):
-        raise ValueError(
-            f"lora_B must have shape [out, r] = [{fan_out}, {rank}] (rank from lora_A), got {tuple(lora_B.shape)}"
-        )
+    return _merge(weight, lora_A, lora_B, scale, out, fan_in_fan_out, backend, grouped=False)
+
+
+def merge_lora_grouped(
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    transposed: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Every expert of a mixture at once: `weight[e] + scale * (lora_B[e] @ lora_A[e])` for each `e` (transposed
+    when `transposed`), in one call of one kernel, rounded once to `out`'s dtype, as `merge_lora` is per matrix.
+
+    Shapes: `weight [E, out, in]` (`[E, in, out]` when `transposed`, as gpt-oss stores its experts), `lora_A [E, r,
+    in]`, `lora_B [E, out, r]`; factors may be strided views (peft's flat expert layout read in place). `out` and
+    `weight` as in `merge_lora`.
+    """
+    return _merge(weight, lora_A, lora_B, scale, out, transposed, backend, grouped=True)
+
+
+def _merge(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, out: torch.Tensor | None,
+           transposed: bool, backend: str, *, grouped: bool) -> torch.Tensor:  # fmt: skip
+    """Both merges: the kernels see a group of experts (3-D tensors), a dense merge as a group of one."""
+    dims = 3 if grouped else 2
+    _check_tensor(weight, "weight", dims, WEIGHT_DTYPES)
+    _check_tensor(lora_A, "lora_A", dims)
+    _check_tensor(lora_B, "lora_B", dims)
+    experts = (weight.shape[0],) if grouped else ()
+    rows, cols = weight.shape[-2:]
+    fan_in, fan_out = (rows, cols) if transposed else (cols, rows)
+    rank = lora_A.shape[-2]
+    flag = (" (transposed)" if grouped else " (fan_in_fan_out)") if transposed else ""
+    if lora_A.shape[:-2] != experts or lora_A.shape[-1] != fan_in:
+        shape = ", ".join(map(str, [*experts, "r", fan_in]))
+        raise ValueError(f"lora_A must have shape [{'E, ' if grouped else ''}r, in] = [{shape}] for weight "
+                         f"{tuple(weight.shape)}{flag}, got {tuple(lora_A.shape)}")  # fmt: skip
+    if lora_B.shape != (*experts, fan_out, rank):
+        shape = ", ".join(map(str, [*experts, fan_out, rank]))
+        raise ValueError(f"lora_B must have shape [{'E, ' if grouped else ''}out, r] = [{shape}] (rank from lora_A), "
+                         f"got {tuple(lora_B.shape)}")  # fmt: skip
     for name, t in (("lora_A", lora_A), ("lora_B", lora_B)):
         if t.device != weight.device:
             raise ValueError(f"{name} is on {t.device} but weight is on {weight.device}")
@@ -62,7 +91,7 @@ def merge_lora(
     if out is None:
         out = empty_output(weight.shape, weight.dtype, weight.device)
     else:
-        _check_tensor(out, "out", WEIGHT_DTYPES)
+        _check_tensor(out, "out", dims, WEIGHT_DTYPES)
         if out.shape != weight.shape or out.device != weight.device:
             raise ValueError(
                 f"out must have weight's shape {tuple(weight.shape)} and device {weight.device}, "
@@ -72,13 +101,15 @@ def merge_lora(
             if _overlaps(out, t) and not (name == "weight" and _same_view(out, weight)):
                 raise ValueError(f"out overlaps {name} in memory (only out=weight, the very same tensor, is allowed)")
 
-    left, right = (lora_A.t(), lora_B.t()) if fan_in_fan_out else (lora_B, lora_A)
+    left, right = (lora_A.mT, lora_B.mT) if transposed else (lora_B, lora_A)
     source = weight.contiguous()
     target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     if rank == 0 or weight.numel() == 0:
         target.copy_(source)
-    else:
+    elif grouped:
         _kernel(backend, weight.device)(source, left, right, float(scale), target)
+    else:
+        _kernel(backend, weight.device)(source[None], left[None], right[None], float(scale), target[None])
     if target is not out:
         out.copy_(target)  # non-contiguous out: computed contiguously, then copied (exact, same dtype)
     return out
@@ -156,15 +187,16 @@ def _cpp_op_builds(with_cuda: bool) -> bool:
     return True
 
 
-def _check_tensor(t: object, name: str, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+def _check_tensor(t: object, name: str, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {t.dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dim() != dims:
+        what = "3-D (experts, rows, columns)" if dims == 3 else "2-D"
+        raise ValueError(f"{name} must be {what}, got shape {tuple(t.shape)}")
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

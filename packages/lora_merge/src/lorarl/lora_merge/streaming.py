@@ -7,6 +7,12 @@ weight. (Large CPU tensors go to memory on 2 MiB pages, and once the consumer ha
 memory, already faulted in; until the stream ends that memory stays with it: see `_output`.) Other tensors are
 yielded as detached views of the model's own (no copy) unless `dtype` asks for a cast.
 
+Mixtures of experts: peft adapts fused expert parameters (`mlp.experts.gate_up_proj` [E, 2I, H]) through
+`target_parameters`, a `ParamWrapper` per parameter (nested where a module has several). Its factors are flat,
+`lora_A [E·r, in]` and `lora_B [out, r·E]` with expert e's rank k in column k·E + e; read in place as `[E, r, in]`
+and `[E, out, r]` views, all experts merge in one call of the grouped op (`merge_lora_grouped`), under the
+parameter's own name.
+
 FSDP2 (`torch.distributed.fsdp.fully_shard`): each sharded unit (e.g. a decoder layer) is all-gathered when the walk
 enters it and freed when it leaves, so the extra memory is one unit (plus the root unit: embeddings, final norm, head)
 — what lets a 70B model's merged weights stream out of a sharded trainer. The gathers are collectives: every rank of
@@ -23,13 +29,15 @@ import torch
 from torch import nn
 
 from lorarl.lora_merge._output import OutputMemory
-from lorarl.lora_merge.merge import merge_lora
+from lorarl.lora_merge.merge import merge_lora, merge_lora_grouped
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
 
 class LoraFactors(NamedTuple):
-    """What a LoRA layer adds to its base weight: `scale · lora_B @ lora_A` (transposed when `fan_in_fan_out`)."""
+    """What a LoRA layer adds to its base weight: `scale · lora_B @ lora_A` (transposed when `fan_in_fan_out`). For
+    fused experts the factors are 3-D, `lora_A [E, r, in]` and `lora_B [E, out, r]`, one product per expert
+    (`fan_in_fan_out`: the weight is stored `[E, in, out]`)."""
 
     lora_A: torch.Tensor
     lora_B: torch.Tensor
@@ -40,7 +48,11 @@ class LoraFactors(NamedTuple):
 def merge_factors(
     weight: torch.Tensor, factors: LoraFactors, *, out: torch.Tensor | None = None, backend: str = "auto"
 ) -> torch.Tensor:
-    """`merge_lora` of `factors` into `weight` (out of place unless `out is weight`)."""
+    """`merge_lora` of `factors` into `weight`, or `merge_lora_grouped` of experts' (out of place unless `out is
+    weight`)."""
+    if factors.lora_A.dim() == 3:
+        return merge_lora_grouped(weight, factors.lora_A, factors.lora_B, factors.scale, out=out,
+                                  transposed=factors.fan_in_fan_out, backend=backend)  # fmt: skip
     return merge_lora(weight, factors.lora_A, factors.lora_B, factors.scale, out=out,
                       fan_in_fan_out=factors.fan_in_fan_out, backend=backend)  # fmt: skip
 
@@ -107,13 +119,13 @@ def lora_factors(model: nn.Module, *, adapter_name: str | None = None) -> dict[s
     for name, module in merger.base.named_modules():
         if peft is not None and isinstance(module, peft.modules_to_save_wrapper):
             raise NotImplementedError(f"{name}: a module trained whole (modules_to_save) is not a LoRA factor")
-        if peft is None or type(module) not in (peft.lora_linear, peft.lora_embedding):
+        if peft is None or type(module) not in (peft.lora_linear, peft.lora_embedding, peft.param_wrapper):
             continue
         if any(module.lora_bias.get(a) for a in merger.adapters(name, module)):
             raise NotImplementedError(f"{name}: an adapter with lora_bias=True trains the bias, not only factors")
         layer = merger.layer_factors(name, module)
         if layer is not None:
-            factors[f"{name}.weight"] = layer
+            factors[_adapted_name(name, module, peft)] = layer
     return factors
 
 
@@ -153,8 +165,9 @@ class _Merger:
         return tensor.to(dtype, copy=self.sharded)
 
     def merged_weight(self, name: str, layer: nn.Module) -> torch.Tensor:
-        """The layer's base weight with its adapter(s) merged: `W + Σ s_i · B_i @ A_i`, one rounding."""
-        weight = layer.get_base_layer().weight.detach()
+        """The layer's base weight with its adapter(s) merged: `W + Σ s_i · B_i @ A_i`, one rounding (for fused
+        experts, `ParamWrapper`, the parameter it adapts: each expert's)."""
+        weight = _adapted_tensor(layer).detach()
         factors = None if self.specs_only else self.layer_factors(name, layer)
         if factors is None:
             return self.plain(weight)
@@ -166,12 +179,18 @@ class _Merger:
         factors = self.factors(name, layer)
         if not factors:
             return None
-        fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
+        if _is_experts(layer):  # peft's flat expert factors as [E, r, in] and [E, out, r] views
+            experts = layer.num_experts
+            factors = [(a.view(experts, -1, a.shape[-1]), b.view(b.shape[0], -1, experts).permute(2, 0, 1), s)
+                       for a, b, s in factors]  # fmt: skip
+            fan_in_fan_out = not layer._did_swap_in_out_features  # stored [E, in, out]: each delta transposed
+        else:
+            fan_in_fan_out = _is_embedding(layer) or layer.fan_in_fan_out
         if len(factors) == 1:
             lora_A, lora_B, scale = factors[0]
         else:  # several active adapters: one merge over the concatenated ranks, so still one rounding
-            lora_A = torch.cat([a.to(torch.float32) for a, _, _ in factors])
-            lora_B = torch.cat([b.to(torch.float32) * s for _, b, s in factors], dim=1)
+            lora_A = torch.cat([a.to(torch.float32) for a, _, _ in factors], dim=-2)
+            lora_B = torch.cat([b.to(torch.float32) * s for _, b, s in factors], dim=-1)
             scale = 1.0
         return LoraFactors(lora_A, lora_B, float(scale), bool(fan_in_fan_out))
 
@@ -240,10 +259,18 @@ def _walk_peft_layer(module: nn.Module, prefix: str, merger: _Merger, peft: "_Pe
             merger.note_adapted(named[0])
             yield named
         return
+    if type(module) is peft.param_wrapper:  # adapted parameters (fused experts), one wrapper each, nested
+        base = module.get_base_layer()
+        replaced = {}
+        for layer in _wrapper_chain(module, peft):
+            replaced[id(_adapted_tensor(layer))] = functools.partial(merger.merged_weight, name, layer)
+        yield from _own_tensors(base, prefix, merger, replaced)
+        yield from _walk_children(base, prefix, merger)
+        return
     if type(module) not in (peft.lora_linear, peft.lora_embedding):
         raise NotImplementedError(
             f"{name}: {type(module).__module__}.{type(module).__qualname__} is not a plain LoRA Linear/Embedding "
-            "layer; lorarl.lora_merge cannot merge it"
+            "layer, nor a LoRA on parameters (target_parameters); lorarl.lora_merge cannot merge it"
         )
     base = module.get_base_layer()
     replaced = {id(base.weight): functools.partial(merger.merged_weight, name, module)}
@@ -290,6 +317,7 @@ class _PeftTypes(NamedTuple):
 
     lora_linear: type
     lora_embedding: type
+    param_wrapper: type  # LoRA on a parameter (`target_parameters`), e.g. fused experts
     tuner_layer: type  # any tuner's layer: LoRA's, LoHa's, ...
     auxiliary_wrapper: type  # modules_to_save, trainable tokens, ...
     modules_to_save_wrapper: type
@@ -300,12 +328,12 @@ def _peft_types() -> _PeftTypes | None:
     """Imported once, not at every module of the walk (where the imports, with a walk for FSDP ancestors, took ~3% of
     a 0.5B model's stream); None without peft, whose absence means no LoRA layers either."""
     try:
-        from peft.tuners.lora import Embedding, Linear
+        from peft.tuners.lora import Embedding, Linear, ParamWrapper
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
     except ImportError:
         return None
-    return _PeftTypes(Linear, Embedding, BaseTunerLayer, AuxiliaryTrainingWrapper, ModulesToSaveWrapper)
+    return _PeftTypes(Linear, Embedding, ParamWrapper, BaseTunerLayer, AuxiliaryTrainingWrapper, ModulesToSaveWrapper)
 
 
 @functools.cache
@@ -371,3 +399,34 @@ def _lora_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def _is_embedding(layer: nn.Module) -> bool:
     return isinstance(layer, _peft_types().lora_embedding)
+
+
+def _is_experts(layer: nn.Module) -> bool:
+    """A LoRA on a 3-D parameter: fused experts, one product per expert (a 2-D one is a plain matrix)."""
+    return type(layer) is _peft_types().param_wrapper and layer._param_ndim == 3
+
+
+def _adapted_tensor(layer: nn.Module) -> torch.Tensor:
+    """The base tensor a LoRA layer adds to: a Linear's or Embedding's weight, or the parameter a `ParamWrapper`
+    targets."""
+    if type(layer) is _peft_types().param_wrapper:
+        return layer.get_param()
+    return layer.get_base_layer().weight
+
+
+def _wrapper_chain(wrapper: nn.Module, peft: _PeftTypes) -> list[nn.Module]:
+    """A `ParamWrapper` and those nested in it (one per adapted parameter of the same module), outermost first."""
+    chain = [wrapper]
+    while type(chain[-1].base_layer) is peft.param_wrapper:
+        chain.append(chain[-1].base_layer)
+    return chain
+
+
+def _adapted_name(name: str, layer: nn.Module, peft: _PeftTypes) -> str:
+    """The state-dict name of what a LoRA layer named `name` adapts: `<module>.weight`, or for a `ParamWrapper`
+    (named `<module>` or, nested, `<module>.base_layer...`) `<module>.<parameter>`."""
+    if type(layer) is not peft.param_wrapper:
+        return f"{name}.weight"
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+    return f"{name}.{layer.parameter_name}"

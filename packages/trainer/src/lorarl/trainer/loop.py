@@ -21,7 +21,7 @@ from lorarl.trainer.console import Console, summary
 from lorarl.trainer.context import fit_context
 from lorarl.trainer.engines import EngineContext, RolloutEngine, start_engine
 from lorarl.trainer.envs.episodes import episode_runner
-from lorarl.trainer.errors import ConfigError
+from lorarl.trainer.errors import ConfigError, TrainerError
 from lorarl.trainer.evaluation import evaluate
 from lorarl.trainer.interrupt import StopRequest
 from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
@@ -29,6 +29,7 @@ from lorarl.trainer.metrics import MetricsLog, SamplesLog, cuda_memory, plot, sa
 from lorarl.trainer.models import (
     Critic,
     Policy,
+    adapts_fused_experts,
     load_tokenizer,
     resolve_device,
     resolve_model_path,
@@ -283,10 +284,17 @@ class Trainer:
         """The rollout engine `rollout.*` describes (`engines.start_engine`), started and fed by this trainer."""
         r, t = self.config.rollout, self.config.trainer
         kinds = SYNC_KINDS.entries() if r.sync == AUTO else [SYNC_KINDS[r.sync]]  # auto may end on any
+        if r.engine == "vllm" and adapts_fused_experts(self.model):  # vLLM's LoRA takes per-expert layers only
+            if r.sync != AUTO and SYNC_KINDS[r.sync].form == "adapter":
+                raise TrainerError(f"rollout.sync={r.sync}: vLLM cannot serve a LoRA on fused experts (peft's "
+                                   "target_parameters); use rollout.sync=merged or factors, or leave the experts out "
+                                   "(model.lora.exclude_modules=[experts])")  # fmt: skip
+            kinds = [kind for kind in kinds if kind.form != "adapter"]
+        self.sync_forms = tuple(sorted({kind.form for kind in kinds}))
         lora_rank = self.model.peft_config["default"].r if hasattr(self.model, "peft_config") else 0
         context = EngineContext(str(self.policy.path), self.rollout_dtype, str(self.device),
                                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed,
-                                tuple(sorted({kind.form for kind in kinds})), lora_rank, r.overlap,
+                                self.sync_forms, lora_rank, r.overlap,
                                 self.config.data.batch_size * r.n,
                                 self.config.data.max_prompt_tokens + self.actor.norm_len, t.threads)  # fmt: skip
         self.engines = [start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
@@ -305,7 +313,7 @@ class Trainer:
     def _weight_sync(self, engine: RolloutEngine | None) -> WeightSync:
         sync = self.config.rollout.sync
         return WeightSync(self.model, engine, kind="merged" if sync == AUTO else sync, dtype=self.rollout_dtype,
-                          dp=self.dp, version=self.start_step)  # fmt: skip
+                          dp=self.dp, version=self.start_step, forms=self.sync_forms)  # fmt: skip
 
     def _choose_sync(self) -> dict:
         prompts = [e.prompt_ids for e in self.train_set[: self.config.data.batch_size]]

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -185,24 +186,118 @@ def _with_adapter(base: nn.Module, lora: LoraSection, *, key: str) -> nn.Module:
         if not (Path(lora.adapter_path) / "adapter_config.json").is_file():
             raise TrainerError(f"model.lora.adapter_path={lora.adapter_path!r}: no adapter_config.json there")
         return PeftModel.from_pretrained(base, lora.adapter_path, is_trainable=True)
-    return get_peft_model(base, lora_config(lora, base, key=key))
+    config = lora_config(lora, base, key=key)
+    asked = _targets(config)
+    model = get_peft_model(base, config)
+    _check_kept(config, asked, key=key)
+    return model
+
+
+def _targets(config) -> tuple:
+    return tuple(sorted(t) if isinstance(t, (list, set)) else t
+                 for t in (config.target_modules, config.target_parameters or []))  # fmt: skip
+
+
+def _check_kept(config, asked: tuple, *, key: str) -> None:
+    """peft renames the targets of some mixtures of experts (transformers 4's per-expert names, e.g. a `gate_proj`
+    moved onto the fused experts, off a shared expert): refused, since the adapter would not be the one asked for."""
+    if not isinstance(asked[0], str) and _targets(config) != asked:  # (peft expands all-linear: not a rewrite)
+        raise TrainerError(f"{key}: peft rewrote the LoRA targets {asked} into {_targets(config)} (its names for "
+                           "this model's experts in transformers 4); name the model's own modules")  # fmt: skip
 
 
 def lora_config(lora: LoraSection, model: nn.Module, *, key: str):
     """peft's config of `lora` (the section at `key`), each target module checked against `model`: peft would
-    refuse a list naming none of them, and silently skip a mistyped one beside others it finds."""
+    refuse a list naming none of them, and silently skip a mistyped one beside others it finds. A mixture of experts
+    gets its targets spelled out (`_mixture_config`)."""
     from peft import LoraConfig
 
+    mixture = Mixture.of(model)
+    if mixture.experts:
+        return _mixture_config(lora, model, mixture, key=key)
     targets = "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
     if targets != "all-linear":
-        names = [name for name, _ in model.named_modules()]
-        missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
-        if missing:
-            raise TrainerError(f"{key}.target_modules={targets}: the model has no module {', '.join(missing)}; its "
-                               f"linear layers are {', '.join(_linear_layers(model))} (or all-linear)")  # fmt: skip
+        _check_targets(targets, model, key=key)
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
                       exclude_modules=list(lora.exclude_modules) or None, lora_dropout=lora.dropout,
                       use_rslora=lora.rslora)  # fmt: skip
+
+
+class Mixture(NamedTuple):
+    """The parts of a mixture-of-experts model LoRA treats apart: its fused experts (3-D parameters, one matrix per
+    expert: `mlp.experts.gate_up_proj`) and its routers (the mixture block's own gates: Qwen's `mlp.gate`, a shared
+    expert's `mlp.shared_expert_gate`, gpt-oss's `mlp.router`), by full name."""
+
+    experts: list[str]  # parameter names
+    routers: list[str]  # module names
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "Mixture":
+        experts, routers = [], []
+        for name, module in model.named_modules():
+            fused = [p for p, t in module.named_parameters(recurse=False) if t.dim() == 3]
+            if not fused or "lora_" in name:
+                continue
+            name = name.replace(".base_layer", "")  # experts peft has wrapped already: by their own name
+            experts += [f"{name}.{p}" for p in fused]
+            block = name.rpartition(".")[0]  # the mixture block: its other children with a weight of their own
+            for child, sub in model.get_submodule(block).named_children():
+                sub = sub.get_base_layer() if hasattr(sub, "get_base_layer") else sub
+                if f"{block}.{child}" != name and isinstance(sub._parameters.get("weight"), torch.Tensor):
+                    routers.append(f"{block}.{child}")
+        return cls(experts, routers)
+
+
+def adapts_fused_experts(model: nn.Module) -> bool:
+    """Whether `model` has a LoRA on fused experts (peft's `ParamWrapper` on a 3-D parameter)."""
+    return any(type(m).__name__ == "ParamWrapper" and m.get_param().dim() == 3 for m in model.modules())
+
+
+def _mixture_config(lora: LoraSection, model: nn.Module, mixture: Mixture, *, key: str):
+    """LoRA on a mixture of experts, spelled out rather than left to peft's `all-linear` (which on transformers 5
+    adapts Qwen3-MoE's router and Qwen2-MoE's shared-expert gate but not its experts): the linear layers (attention,
+    shared experts) as modules, the fused experts as parameters (peft's `target_parameters`), the routers only with
+    `train_router`. Naming `experts` in `exclude_modules` leaves the experts out; naming a router in `target_modules`
+    needs `train_router`."""
+    from peft import LoraConfig
+
+    leaf = lambda name: name.rpartition(".")[2]  # noqa: E731
+    routers = {leaf(name): model.get_submodule(name) for name in mixture.routers}
+    expert_modules = {leaf(name.rpartition(".")[0]) for name in mixture.experts}
+    excluded = set(lora.exclude_modules)
+    head = model.get_output_embeddings()
+    if list(lora.target_modules) == ["all-linear"]:
+        modules = [name for name in _linear_layers(model) if name not in routers
+                   and not any(m is head for n, m in model.named_modules() if leaf(n) == name)]  # fmt: skip
+        with_experts = not expert_modules & excluded
+    else:
+        named = list(lora.target_modules)
+        _check_targets([t for t in named if t not in expert_modules], model, key=key)
+        frozen = [t for t in named if t in routers and not lora.train_router]
+        if frozen:
+            raise TrainerError(f"{key}.target_modules names the router {', '.join(frozen)}: a mixture's routers stay "
+                               f"frozen unless {key}.train_router=true")  # fmt: skip
+        modules = [t for t in named if t not in expert_modules and t not in routers]
+        with_experts = bool(expert_modules & set(named)) and not expert_modules & excluded
+    parameters = sorted({".".join(name.split(".")[-2:]) for name in mixture.experts}) if with_experts else []
+    if lora.train_router:  # a linear router as a module; a router of its own kind (Qwen's TopKRouter) by its weight
+        modules += [name for name, module in routers.items() if isinstance(module, nn.Linear)]
+        parameters += [f"{name}.weight" for name, module in routers.items() if not isinstance(module, nn.Linear)]
+    if with_experts and lora.dropout:
+        raise TrainerError(f"{key}.dropout={lora.dropout}: peft's LoRA on fused experts (target_parameters) has no "
+                           f"dropout; set it to 0, or leave the experts out "
+                           f"({key}.exclude_modules=[experts])")  # fmt: skip
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=sorted(set(modules)),
+                      target_parameters=parameters or None,
+                      exclude_modules=sorted(excluded - expert_modules) or None, use_rslora=lora.rslora)  # fmt: skip
+
+
+def _check_targets(targets: list[str], model: nn.Module, *, key: str) -> None:
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+    if missing:
+        raise TrainerError(f"{key}.target_modules={targets}: the model has no module {', '.join(missing)}; its "
+                           f"linear layers are {', '.join(_linear_layers(model))} (or all-linear)")  # fmt: skip
 
 
 def _linear_layers(model: nn.Module) -> list[str]:
@@ -237,7 +332,10 @@ class Critic:
         self.adapter = self.ADAPTER if self.shares_base else "default"  # its name in `model`, if an adapter
         if self.shares_base:
             self.model = policy.model
-            self.model.add_adapter(self.ADAPTER, lora_config(section.lora, self.model, key="critic.lora"))
+            config = lora_config(section.lora, self.model, key="critic.lora")
+            asked = _targets(config)
+            self.model.add_adapter(self.ADAPTER, config)
+            _check_kept(config, asked, key="critic.lora")
             self.trainable_names = [name for name, _ in self.model.named_parameters()
                                     if f".{self.ADAPTER}." in name]  # fmt: skip
         else:

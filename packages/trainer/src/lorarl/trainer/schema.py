@@ -13,10 +13,13 @@ from lorarl.trainer.registry import option
 class LoraSection:
     rank: int = option(16, "LoRA rank; 0 = full fine-tuning", minimum=0)
     alpha: float = option(32.0, "LoRA alpha (scale = alpha / rank, or alpha / sqrt(rank) with rslora)")
-    target_modules: list[str] = option(["all-linear"], "modules that get adapters (peft names, or all-linear)")
+    target_modules: list[str] = option(["all-linear"], "modules that get adapters (peft names, or all-linear: every "
+                                       "linear layer but the head, and a mixture's fused experts)")  # fmt: skip
     exclude_modules: list[str] = option([], "modules never adapted (peft names or regex)")
     dropout: float = option(0.0, "dropout on the adapter input")
     rslora: bool = option(False, "rank-stabilised scaling alpha / sqrt(rank)")
+    train_router: bool = option(False, "a mixture of experts: LoRA on its routers too (mlp.gate, a shared expert's "
+                                "gate); frozen by default, its fused experts and shared experts adapted")  # fmt: skip
     adapter_path: str | None = option(None, "start from this saved peft adapter (its rank and alpha are used)")
 
 

@@ -93,8 +93,9 @@ class WeightSync:
     update (taking part in its gathers) and rank 0 — the only one with an engine — sends it."""
 
     def __init__(self, model: nn.Module, engine: RolloutEngine | None, *, kind: str, dtype: torch.dtype,
-                 dp: DataParallel | None, version: int):  # fmt: skip
+                 dp: DataParallel | None, version: int, forms: tuple[str, ...] | None = None):  # fmt: skip
         self.engine = engine  # None: a data-parallel rank other than 0
+        self.forms = forms  # the forms of update the engine can take (None: any); `choose` measures those alone
         self.source = SyncSource(model, dtype, dp, keeps_weights=engine is None or engine.capabilities.keeps_weights)
         self.version = version
         self.kind = self._checked(SYNC_KINDS[kind])
@@ -140,7 +141,8 @@ class WeightSync:
         second); keep the fastest for the run. Returns the figures (`sync/auto_*`)."""
         figures = {}
         dp = self.source.dp
-        kinds = [k for k in SYNC_KINDS.entries() if k.auto and (dp is None or k.sharded)]
+        kinds = [k for k in SYNC_KINDS.entries() if k.auto and (dp is None or k.sharded)
+                 and (self.forms is None or k.form in self.forms)]  # fmt: skip
         for kind in kinds:
             self.sync(kind=kind)  # a first update may carry more (the factors' base weights)
             started = time.perf_counter()

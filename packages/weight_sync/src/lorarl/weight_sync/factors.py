@@ -1,9 +1,10 @@
 """The factor sync (`rollout.sync=factors`): only the LoRA factors cross the wire, and the engine merges them.
 
 Each version carries, for every adapted layer, `lora_A`, `lora_B`, the scale and the layout (a *factor set*,
-`r·(in+out)` values per layer instead of `in·out`); the first one also carries the base weights `W0` the factors add
-to, which the engine keeps pristine (`FactorMerger`) and merges out of place, `W = W0 + s·B@A`, with
-`lorarl.lora_merge.merge_lora` — the kernel and rounding of the trainer's merged sync, so the engine ends up with the
+`r·(in+out)` values per layer instead of `in·out`; for a mixture's fused experts `[E, r, in]` and `[E, out, r]`,
+merged expert by expert in one call of the grouped op); the first one also carries the base weights `W0` the factors
+add to, which the engine keeps pristine (`FactorMerger`) and merges out of place, `W = W0 + s·B@A`, with
+`lorarl.lora_merge.merge_factors` — the kernel and rounding of the trainer's merged sync, so the engine ends up with the
 very bits a merged sync would give it, and `W0` never drifts.
 
 A factor set is named tensors, as full weights are — so every channel that carries weights carries it, checksummed and
@@ -38,7 +39,7 @@ def factor_set(factors: Mapping[str, tuple], base: Mapping[str, torch.Tensor] | 
     `lora_merge.lora_factors` returns them) and, when the engine does not hold them yet, the `base` weights."""
     tensors: dict[str, torch.Tensor] = {}
     for name, (lora_A, lora_B, scale, fan_in_fan_out) in factors.items():
-        tensors[name + _A], tensors[name + _B] = lora_A, lora_B
+        tensors[name + _A], tensors[name + _B] = lora_A.contiguous(), lora_B.contiguous()  # experts' B: a strided view
         tensors[name + _SCALE] = torch.tensor(float(scale), dtype=torch.float64)
         if fan_in_fan_out:
             tensors[name + _TRANSPOSED] = torch.tensor(True)
@@ -96,10 +97,10 @@ class FactorMerger:
             if name not in self.base:
                 raise ValueError(f"no base weight for {name!r}: the first factor set must carry it (none stored yet"
                                  f"{'' if self.base else ' at all'})")  # fmt: skip
-            rows, cols = self.base[name].shape
+            experts, (rows, cols) = self.base[name].shape[:-2], self.base[name].shape[-2:]  # experts: [E, rows, cols]
             fan_in, fan_out = (rows, cols) if f.fan_in_fan_out else (cols, rows)
-            rank = f.lora_A.shape[0]
-            if f.lora_A.shape != (rank, fan_in) or f.lora_B.shape != (fan_out, rank):
+            rank = f.lora_A.shape[-2] if f.lora_A.dim() >= 2 else -1
+            if f.lora_A.shape != (*experts, rank, fan_in) or f.lora_B.shape != (*experts, fan_out, rank):
                 raise ValueError(f"{name}: factors {tuple(f.lora_A.shape)} and {tuple(f.lora_B.shape)} do not fit its "
                                  f"base weight {tuple(self.base[name].shape)}")  # fmt: skip
 
@@ -116,7 +117,7 @@ class FactorMerger:
     def _merging(
         self, factors: Mapping[str, Factors], outputs: Mapping[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        from lorarl.lora_merge import merge_lora
+        from lorarl.lora_merge import merge_factors
 
         for name, weight in self.base.items():
             f = factors.get(name)
@@ -126,8 +127,8 @@ class FactorMerger:
             out = outputs.get(name)
             if out is None:
                 out = torch.empty(weight.shape, dtype=self.dtype, device=weight.device)
-            yield name, merge_lora(weight, f.lora_A.to(weight.device), f.lora_B.to(weight.device), f.scale, out=out,
-                                   fan_in_fan_out=f.fan_in_fan_out, backend=self.backend)  # fmt: skip
+            on_device = f._replace(lora_A=f.lora_A.to(weight.device), lora_B=f.lora_B.to(weight.device))
+            yield name, merge_factors(weight, on_device, out=out, backend=self.backend)
 
 
 def narrowed(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,10 @@ checked against the base weights the workers keep (the first set brings them: th
 which vLLM fuses with them), merged with lorarl's kernel and loaded through the same layerwise reload: only the layers
 it names are reloaded.
 
+Mixtures of experts: vLLM takes transformers 5's fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H]) under
+their own names; its CPU kernel's prepacked expert layout is made again for each reloaded layer
+(`prepack_reloaded_experts`). A layer's experts reload whole: an update names all of its expert tensors or none.
+
 Tied embeddings need nothing more: vLLM's layerwise reload processes the tied LM head too (on vLLM's CPU backend the
 head keeps a prepacked GEMM of its own), which the tests check by generating after versions that change the embedding.
 """
@@ -153,6 +157,7 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         weights complete)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        prepack_reloaded_experts(self.model)
         initialize_layerwise_reload(self.model)
         try:
             self.model.load_weights(iter(staged))
@@ -175,6 +180,36 @@ class LorarlWeightTransferEngine(WeightTransferEngine[LorarlInitInfo, LorarlUpda
         if text not in self.said and worker_rank() == 0:
             print(f"lorarl: {text}", file=sys.stderr, flush=True)
         self.said.add(text)
+
+
+def prepack_reloaded_experts(model: torch.nn.Module) -> None:
+    """vLLM's CPU fused-MoE kernel reads expert weights prepacked into its own tiled layout, made once after the first
+    load. On a reload its method sees the kernel already built (`moe_kernel` set: a weight update, in vLLM's terms)
+    and copies the new weights in as they come, unpacked: the experts then compute with scrambled weights, and nothing
+    says so (vLLM 0.32). Each such layer's method is made to prepack a reload too (padding as at the first load), so
+    the reload copies the packed weights into the kernel's tensors; a layer no update touches is never processed.
+    Idempotent; other backends (GPUs') are left alone."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU experts
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is None or getattr(method, "lorarl_prepacks_reloads", False):
+            continue
+        if not isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            continue
+        process = method.process_weights_after_loading
+
+        def process_and_prepack(layer, process=process, method=method):
+            reloading = method.moe_kernel is not None
+            process(layer)
+            if reloading:
+                method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process_and_prepack
+        method.lorarl_prepacks_reloads = True
 
 
 def worker_rank() -> int:

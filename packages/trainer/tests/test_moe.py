@@ -1,0 +1,95 @@
+"""Mixtures of experts (transformers 5's fused experts, 3-D parameters): LoRA on attention, the routed experts and a
+shared expert, routers frozen unless asked; trained a few steps with the HF engine, inline and in its own process,
+with merged and factor syncs giving the same run; what cannot be done refused in one line."""
+
+import json
+
+import pytest
+import torch
+from trainer_fixtures import make_moe_model_dir, tiny_overrides
+
+from lorarl.lora_merge import iter_merged_weights
+from lorarl.trainer.cli import main
+from lorarl.trainer.config import load_config
+from lorarl.trainer.errors import TrainerError
+from lorarl.trainer.models import Mixture, lora_config
+from lorarl.trainer.presets import PRESETS
+from lorarl.trainer.schema import LoraSection
+
+FAMILIES = ["qwen3_moe", "qwen2_moe"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def moe_setup(request, tiny_setup, tmp_path_factory):
+    directory = make_moe_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+    return tiny_setup | {"model": str(directory), "family": request.param}
+
+
+def run(setup, output_dir, **extra) -> list[dict]:
+    overrides = tiny_overrides(setup, output_dir, trainer__steps=3, rollout__dtype="float32", **extra)
+    assert main(overrides) == 0
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("worker", ["inline", "process"])
+def test_trains_with_merged_and_factor_syncs_alike(moe_setup, tmp_path, worker):
+    """3 steps each way: the engine samples from the trainer's merged weights (its log-probs equal the trainer's), the
+    adapter learns (the experts' LoRA gets gradients), and the factor sync gives the very run the merged sync does."""
+    merged = run(moe_setup, tmp_path / "merged", rollout__worker=worker)
+    factors = run(moe_setup, tmp_path / "factors", rollout__worker=worker, rollout__sync="factors")
+    assert all(step["rollout/abs_logp_diff"] < 1e-4 for step in merged + factors)
+    assert all(step["grad_norm"] > 0 for step in merged)
+    same = ("reward/mean", "grad_norm", "entropy", "response_length/mean", "rollout/abs_logp_diff")
+    for a, b in zip(merged, factors, strict=True):
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    assert factors[-1]["sync/bytes"] < merged[-1]["sync/bytes"]
+
+
+def lora_targets(model, **section):
+    config = lora_config(LoraSection(**section), model, key="model.lora")
+    return sorted(config.target_modules), sorted(config.target_parameters or [])
+
+
+def test_targets_spelled_out_routers_frozen(make_qwen3_moe, make_qwen2_moe):
+    qwen3, qwen2 = make_qwen3_moe(), make_qwen2_moe()
+    assert Mixture.of(qwen3).routers == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert Mixture.of(qwen2).routers[:2] == ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"]
+    attention = ["k_proj", "o_proj", "q_proj", "v_proj"]
+    experts = ["experts.down_proj", "experts.gate_up_proj"]
+    assert lora_targets(qwen3) == (attention, experts)
+    assert lora_targets(qwen2) == (sorted([*attention, "down_proj", "gate_proj", "up_proj"]), experts)  # shared
+    assert lora_targets(qwen3, train_router=True) == (attention, sorted([*experts, "gate.weight"]))
+    assert lora_targets(qwen2, train_router=True)[0] == sorted([*attention, "down_proj", "gate_proj", "up_proj",
+                                                                "shared_expert_gate"])  # fmt: skip
+    assert lora_targets(qwen3, exclude_modules=["experts"]) == (attention, [])
+    assert lora_targets(qwen3, target_modules=["q_proj", "experts"]) == (["q_proj"], experts)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"target_modules": ["q_proj", "gate"]}, "model.lora.target_modules names the router gate: a mixture's "
+                                                 "routers stay frozen unless model.lora.train_router=true"),
+        ({"dropout": 0.1}, "model.lora.dropout=0.1: peft's LoRA on fused experts (target_parameters) has no dropout"),
+        ({"target_modules": ["q_proj", "w1"]}, "model.lora.target_modules=['q_proj', 'w1']: the model has no module "
+                                               "w1"),
+    ],
+    ids=["router", "dropout", "missing"],
+)
+def test_what_cannot_be_done_is_one_line(make_qwen3_moe, section, message):
+    with pytest.raises(TrainerError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        lora_config(LoraSection(**section), make_qwen3_moe(), key="model.lora")
+
+
+def test_the_router_trains_only_when_asked(moe_setup, tmp_path):
+    from lorarl.trainer.loop import Trainer
+
+    for train_router in (False, True):
+        overrides = tiny_overrides(moe_setup, tmp_path / str(train_router), model__lora__train_router=train_router)
+        trainer = Trainer(load_config(None, overrides, presets=PRESETS))
+        names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        assert any("experts" in n for n in names)
+        assert any(".mlp.gate." in n for n in names) == train_router
+        merged = dict(iter_merged_weights(trainer.model))
+        assert merged["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+        assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], torch.zeros(1))
