@@ -1,7 +1,7 @@
 """Mixtures of experts in vLLM's CPU build: transformers 5's fused expert tensors under their own names reach what
 vLLM's CPU MoE kernel runs (it prepacks expert weights into a layout of its own, which a reload must make again), so
 after each version the engine's greedy tokens and log-probs are transformers' on those weights; and a run trains on
-it with the merged and the factor sync alike."""
+it with the merged and the factor sync alike, and its export loads in vLLM."""
 
 import json
 
@@ -52,6 +52,16 @@ def test_a_moe_trains_on_vllm_alike_with_merged_and_factor_syncs(trainer_setup, 
     steps = [r for r in runs["merged"] if r["step"] > 0]
     assert max(r["rollout/abs_logp_diff"] for r in steps) < 1e-4  # the engine samples the trainer's merged weights
     assert any(r["grad_norm"] > 0 for r in steps)
+    # `trainer export --merged` of the checkpoint: a model vLLM loads (per-expert checkpoint names, as transformers
+    # saves them) and serves as transformers computes it
+    exported = tmp_path / "exported"
+    assert main(["export", "--checkpoint", str(tmp_path / "merged" / "checkpoints" / "step_3"),
+                 "--merged", str(exported)]) == 0  # fmt: skip
+    llm = start_engine(exported)
+    try:
+        assert_greedy_and_logprobs_match(llm, hf_model(exported), PROMPTS, version="default")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_an_adapter_sync_of_experts_is_refused_in_one_line(trainer_setup, tmp_path, capsys):

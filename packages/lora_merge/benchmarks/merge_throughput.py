@@ -15,6 +15,11 @@ Per layer case (shape, rank, dtype, backend):
 The merge, the copy, peft and the GEMM are timed in turn, repetition after repetition, so drift of a noisy machine
 hits all of them alike; medians are reported.
 
+Expert cases (a mixture of experts' fused experts: Qwen3-30B-A3B's expert shapes, 2048 hidden and 768 per expert,
+with 32 of its 128 experts to fit in memory): `merge_lora_grouped` of `W [E, out, in]` against the dense merge of the
+same bytes as one `[E·out, in]` matrix (`ratio_to_dense`, gbps of both), a Python loop of per-expert `merge_lora`
+calls (`speedup_vs_loop`), the copy, and peft's own merge of a `ParamWrapper` (`get_delta_weight` + add).
+
 Whole-model cases (random bf16 models: Qwen2-0.5B's shape, and four decoder layers of Llama-2-7B's): stream every
 merged weight through `iter_merged_weights` vs peft's `merge_adapter()` + `unmerge_adapter()` (what peers do before
 each weight sync); `ratio_to_preallocated`: the same merges into outputs allocated once / the stream's time.
@@ -42,7 +47,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lorarl.lora_merge import available_backends, cpu_has_native_bf16, iter_merged_weights, merge_lora
+from lorarl.lora_merge import (
+    available_backends,
+    cpu_has_native_bf16,
+    iter_merged_weights,
+    merge_lora,
+    merge_lora_grouped,
+)
 from lorarl.lora_merge._output import empty_output
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192)]
@@ -190,6 +201,83 @@ def layer_cases(args: argparse.Namespace, device: torch.device):
             }
 
 
+EXPERT_SHAPES = {"gate_up_proj": (1536, 2048), "down_proj": (2048, 768)}  # Qwen3-30B-A3B's, per expert
+EXPERTS = 32  # of its 128: 200 MB of bf16 gate_up_proj, 100 MB of down_proj
+GROUPED_TARGET = 0.8  # the issue's: the grouped merge reaches this share of the dense merge's GB/s
+
+
+def expert_cases(args: argparse.Namespace, device: torch.device):
+    backends = [b for b in available_backends(device) if b != "triton" or device.type == "cuda"]
+    backends = [b for b in backends if args.backends is None or b in args.backends]
+    for (name, (rows, cols)), rank in itertools.product(EXPERT_SHAPES.items(), (8, 32)):
+        weight = torch.randn(EXPERTS, rows, cols, device=device).to(torch.bfloat16)
+        flat_A = torch.randn(EXPERTS * rank, cols, device=device) / rank**0.5  # peft's flat layout, fp32
+        flat_B = torch.randn(rows, rank * EXPERTS, device=device) * 0.01
+        lora_A = flat_A.view(EXPERTS, rank, cols)
+        lora_B = flat_B.view(rows, rank, EXPERTS).permute(2, 0, 1)
+        dense_A, dense_B = lora_A[0], torch.randn(EXPERTS * rows, rank, device=device) * 0.01
+        dense = weight.view(EXPERTS * rows, cols)
+        out = empty_output(weight.shape, weight.dtype, weight.device)
+        with torch.no_grad():
+            wrapper = peft_experts(weight, flat_A, flat_B, rank)
+        for backend in backends:
+            fns = {
+                "grouped": functools.partial(merge_lora_grouped, weight, lora_A, lora_B, 2.0, out=out,
+                                             backend=backend),
+                "dense": functools.partial(merge_lora, dense, dense_A, dense_B, 2.0, out=out.view_as(dense),
+                                           backend=backend),
+                "loop": functools.partial(merge_each_expert, weight, lora_A, lora_B, out, backend),
+                "copy": functools.partial(out.copy_, weight),
+                "peft": functools.partial(peft_experts_merge, wrapper, weight, out),
+            }  # fmt: skip
+            with torch.no_grad():
+                t = interleaved(fns, device, args.min_seconds, args.min_reps)
+            moved = weight.numel() * 2 * weight.element_size()
+            yield {
+                "case": "experts",
+                "backend": backend,
+                "parameter": name,
+                "shape": [EXPERTS, rows, cols],
+                "rank": rank,
+                "dtype": "bf16",
+                "factor_dtype": "fp32",
+                "seconds": t["grouped"],
+                "gbps": moved / t["grouped"] / 1e9,
+                "dense_gbps": moved / t["dense"] / 1e9,
+                "ratio_to_dense": t["dense"] / t["grouped"],
+                "speedup_vs_loop": t["loop"] / t["grouped"],
+                "ratio_to_copy": t["copy"] / t["grouped"],
+                "speedup_vs_peft": t["peft"] / t["grouped"],
+            }
+
+
+def merge_each_expert(weight, lora_A, lora_B, out, backend: str) -> None:
+    """What a merge without a grouped op does: one call per expert, from Python."""
+    for e in range(weight.shape[0]):
+        merge_lora(weight[e], lora_A[e], lora_B[e], 2.0, out=out[e], backend=backend)
+
+
+def peft_experts(weight: torch.Tensor, flat_A: torch.Tensor, flat_B: torch.Tensor, rank: int) -> nn.Module:
+    """A real peft `ParamWrapper` on a module holding `weight` as fused experts, with the given flat factors."""
+    from peft import LoraConfig, get_peft_model
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(weight, requires_grad=False)
+
+    model = get_peft_model(nn.Sequential(Experts()), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[],
+                                                                target_parameters=["0.weight"]))  # fmt: skip
+    wrapper = model.base_model.model[0]
+    wrapper.lora_A["default"].weight = nn.Parameter(flat_A)
+    wrapper.lora_B["default"].weight = nn.Parameter(flat_B)
+    return wrapper
+
+
+def peft_experts_merge(wrapper: nn.Module, weight: torch.Tensor, out: torch.Tensor) -> None:
+    torch.add(weight, wrapper.get_delta_weight("default"), out=out)
+
+
 def computes_in(backend: str, device: torch.device, factor_dtype: torch.dtype, rank: int) -> torch.dtype:
     """The dtype of the kernel's multiply-adds: bf16 pairs for bf16 factors of an even rank in the C++ op on a CPU
     with AVX512-BF16, fp32 otherwise."""
@@ -302,6 +390,7 @@ def main() -> None:
         help="dtypes of lora_A/lora_B (peft keeps them in fp32; others: on the first shape, compiled kernels only)",
     )
     parser.add_argument("--backends", nargs="+", help="only these backends (default: every available one)")
+    parser.add_argument("--experts-only", action="store_true", help="only the expert cases (a mixture of experts)")
     args = parser.parse_args()
     args.min_seconds, args.min_reps = (0.3, 5) if args.quick else (1.0, 11)
     device = torch.device(args.device)
@@ -316,10 +405,18 @@ def main() -> None:
     }
     print(json.dumps(run), flush=True)
     cases = []
-    for case in layer_cases(args, device):
+    for case in [] if args.experts_only else layer_cases(args, device):
         print_case(case)
         cases.append(case)
-    if not args.no_model:
+    experts = []
+    for case in expert_cases(args, device):
+        print_case(case)
+        experts.append(case)
+    grouped_misses = [{k: c[k] for k in ("backend", "parameter", "rank", "ratio_to_dense")} for c in experts
+                      if c["ratio_to_dense"] < GROUPED_TARGET]  # fmt: skip
+    print_case({"case": "grouped_target", "target": GROUPED_TARGET, "met": not grouped_misses,
+                "misses": grouped_misses})  # fmt: skip
+    if not args.no_model and not args.experts_only:
         for name, config in whole_models().items():
             for case in model_case(args, device, name, config):
                 print_case(case)

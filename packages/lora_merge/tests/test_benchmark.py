@@ -90,3 +90,13 @@ def test_gpu_targets_apply_to_triton_and_the_cuda_op_up_to_rank_128(bench):
         ("triton", 128, "ratio_to_copy"),
         ("cpp", 8, "ratio_to_copy"),
     ]
+
+
+def test_expert_cases_run_on_tiny_experts(bench, monkeypatch):
+    monkeypatch.setattr(bench, "EXPERT_SHAPES", {"gate_up_proj": (48, 64)})
+    monkeypatch.setattr(bench, "EXPERTS", 3)
+    args = argparse.Namespace(backends=["torch", "cpp"], min_seconds=0.0, min_reps=1)
+    cases = list(bench.expert_cases(args, torch.device("cpu")))
+    assert [(c["backend"], c["rank"]) for c in cases] == [("torch", 8), ("cpp", 8), ("torch", 32), ("cpp", 32)]
+    metrics = ("gbps", "dense_gbps", "ratio_to_dense", "speedup_vs_loop", "ratio_to_copy", "speedup_vs_peft")
+    assert all(c[k] > 0 for c in cases for k in metrics)

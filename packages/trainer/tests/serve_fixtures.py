@@ -97,7 +97,8 @@ def float64_policy(model_dir: str, adapter: Path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    # (a mixture's experts in transformers' own per-expert loop: its grouped GEMM takes no float64)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager")
     return PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
 
 

@@ -31,11 +31,18 @@ def run(setup, output_dir, **extra) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def merged_run(moe_setup, tmp_path_factory):
+    """3 steps with the HF engine inline and the merged sync: the metrics and the output directory."""
+    out = tmp_path_factory.mktemp("merged") / "out"
+    return run(moe_setup, out), out
+
+
 @pytest.mark.parametrize("worker", ["inline", "process"])
-def test_trains_with_merged_and_factor_syncs_alike(moe_setup, tmp_path, worker):
+def test_trains_with_merged_and_factor_syncs_alike(moe_setup, merged_run, tmp_path, worker):
     """3 steps each way: the engine samples from the trainer's merged weights (its log-probs equal the trainer's), the
     adapter learns (the experts' LoRA gets gradients), and the factor sync gives the very run the merged sync does."""
-    merged = run(moe_setup, tmp_path / "merged", rollout__worker=worker)
+    merged = merged_run[0] if worker == "inline" else run(moe_setup, tmp_path / "merged", rollout__worker=worker)
     factors = run(moe_setup, tmp_path / "factors", rollout__worker=worker, rollout__sync="factors")
     assert all(step["rollout/abs_logp_diff"] < 1e-4 for step in merged + factors)
     assert all(step["grad_norm"] > 0 for step in merged)
@@ -43,6 +50,27 @@ def test_trains_with_merged_and_factor_syncs_alike(moe_setup, tmp_path, worker):
     for a, b in zip(merged, factors, strict=True):
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
     assert factors[-1]["sync/bytes"] < merged[-1]["sync/bytes"]
+
+
+def test_the_checkpoint_loads_in_peft_and_exports_a_model_transformers_runs(moe_setup, merged_run, tmp_path):
+    """The saved adapter (experts included) loads with peft as it is; `trainer export --merged` writes a model
+    transformers loads (its experts saved under the checkpoint names transformers reverts them to), whose weights
+    are peft's merge and whose greedy tokens are the adapted model's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = merged_run[1] / "checkpoints" / "step_3"
+    assert main(["export", "--checkpoint", str(checkpoint), "--merged", str(tmp_path / "merged")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe_setup["model"]),
+                                        str(checkpoint / "adapter")).eval()  # fmt: skip
+    assert any(type(m).__name__ == "ParamWrapper" for m in adapted.modules())
+    reference = adapted.merge_and_unload().state_dict()
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6)
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    greedy = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)  # noqa: C408
+    assert torch.equal(exported.generate(prompt, **greedy), adapted.generate(prompt, **greedy))
 
 
 def lora_targets(model, **section):

@@ -82,6 +82,7 @@ def tiny_overrides(setup: dict[str, str], output_dir: Path, **extra) -> list[str
         "trainer.steps": 12,
         "trainer.eval_every": 0,
         "trainer.output_dir": str(output_dir),
+        "trainer.threads": 1,  # a run repeats bit for bit whatever else the machine runs (threads.py); one per worker
     }
     overrides.update({key.replace("__", "."): value for key, value in extra.items()})
     return [f"{key}={value}" for key, value in overrides.items()]

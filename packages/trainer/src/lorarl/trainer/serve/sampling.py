@@ -129,11 +129,14 @@ class Sampler:
 
     def sample_many(self, requests: list[tuple[str | None, SampleRequest]]) -> list[list[Sequence]]:
         """The responses to each request, those that sample alike decoded together — one batch for many tenants'
-        adapters (peft's mixed-batch forward). A seeded request decodes alone: its samples depend on its seed only."""
+        adapters (peft's mixed-batch forward; adapter by adapter where they adapt fused experts). A seeded request
+        decodes alone: its samples depend on its seed only."""
         groups: dict[tuple, list[int]] = {}
-        for i, (_, request) in enumerate(requests):
+        mixes = self.base.mixes_adapters  # else (adapters on fused experts) one adapter per decode
+        for i, (adapter, request) in enumerate(requests):
             key = (request.num_samples, request.temperature, request.top_p, request.max_tokens, request.stop_strings,
-                   request.stop_tokens, i if request.seed is not None else None)  # fmt: skip
+                   request.stop_tokens, i if request.seed is not None else None,
+                   None if mixes else adapter)  # fmt: skip
             groups.setdefault(key, []).append(i)
         answers: list[list[Sequence]] = [[] for _ in requests]
         for members in groups.values():

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lorarl.trainer.head_logprobs import head_logprobs, head_replaced
 from lorarl.trainer.logprobs import micro_batches
-from lorarl.trainer.models import adapters, load_base, load_tokenizer, resolve_model_path
+from lorarl.trainer.models import Mixture, adapters, load_base, load_tokenizer, resolve_model_path
 from lorarl.trainer.serve.losses import LOSSES
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -76,13 +76,16 @@ class SharedBase:
         self.model: nn.Module | None = None  # the PeftModel, once the first adapter exists
         self.vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
         self.linears = {name.rsplit(".", 1)[-1] for name, m in self.base.named_modules() if isinstance(m, nn.Linear)}
+        mixture = Mixture.of(self.base)  # a mixture of experts: its routers are never adapted, its experts with the MLP
+        self.linears -= {name.rsplit(".", 1)[-1] for name in mixture.routers}
+        self.experts = sorted({".".join(name.split(".")[-2:]) for name in mixture.experts})  # e.g. experts.down_proj
 
     def target_modules(self, shape: LoraShape) -> list[str]:
         wanted = (ATTENTION if shape.train_attn else ()) + (MLP if shape.train_mlp else ())
         targets = [t for t in wanted if t in self.linears]
         if shape.train_unembed:
             targets.append("lm_head")
-        if not targets:
+        if not targets and not (shape.train_mlp and self.experts):
             raise RequestError(f"lora_config {shape}: no layer of {self.name} to train (train_attn, train_mlp or "
                                "train_unembed)")  # fmt: skip
         return targets
@@ -93,7 +96,15 @@ class SharedBase:
 
         if shape.rank < 1:
             raise RequestError(f"lora_config.rank must be >= 1, got {shape.rank}")
-        return LoraConfig(r=shape.rank, lora_alpha=ALPHA, target_modules=self.target_modules(shape), lora_dropout=0.0)
+        experts = self.experts if shape.train_mlp else None  # fused experts: peft's target_parameters
+        return LoraConfig(r=shape.rank, lora_alpha=ALPHA, target_modules=self.target_modules(shape),
+                          target_parameters=experts, lora_dropout=0.0)  # fmt: skip
+
+    @property
+    def mixes_adapters(self) -> bool:
+        """Whether one forward can serve rows of several adapters (peft's mixed batches): not where an adapter is
+        on fused experts (peft's `ParamWrapper` has no mixed batches), whose rows then decode adapter by adapter."""
+        return self.model is None or not any(type(m).__name__ == "ParamWrapper" for m in self.model.modules())
 
     def add_adapter(self, name: str, shape: LoraShape) -> list[nn.Parameter]:
         """A new adapter `name` of `shape` (B = 0: the base's outputs at first), initialised from `shape.seed` where
