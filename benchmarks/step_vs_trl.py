@@ -81,6 +81,11 @@ QWEN2_46M = {
     "model_type": "qwen2", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
     "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32768, "tie_word_embeddings": True,
     "max_position_embeddings": 1024}  # fmt: skip
+QWEN3_MOE_TINY = {
+    "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 16,
+    "num_experts_per_tok": 4, "vocab_size": 2048, "tie_word_embeddings": True,
+    "max_position_embeddings": 1024}  # fmt: skip
 CASES = {
     "default": Case("default", 32, 8, 2, 30, 1e-3, None),  # steps of ~0.2 s: many, or the noise dominates
     "qwen2-46m": Case("qwen2-46m", 2, 64, 1, 9, 1e-4, QWEN2_46M),
@@ -93,6 +98,9 @@ CASES = {
     "qwen2-46m-long256": Case("qwen2-46m-long256", 2, 256, 1, 6, 1e-4, QWEN2_46M, run_to_max=True),
     "qwen2-30m-small-vocab": Case("qwen2-30m-small-vocab", 2, 256, 1, 6, 1e-4, {**QWEN2_46M, "vocab_size": 2048},
                                   run_to_max=True),
+    # a mixture of experts (transformers 5's fused experts): LoRA on them through peft's target_parameters on both
+    # sides (TRL's all-linear adapts the router too, lorarl's keeps it frozen)
+    "qwen3-moe-tiny": Case("qwen3-moe-tiny", 4, 32, 1, 6, 1e-4, QWEN3_MOE_TINY),
 }  # fmt: skip
 
 

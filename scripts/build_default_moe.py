@@ -1,5 +1,5 @@
 """Build the embedded mixture of experts, `model.path=default-moe`: a tiny Qwen3-MoE (3 layers, 8 fused experts of
-which each token takes 2, 1.4M parameters), pre-trained on the default task's additions from scratch until about half
+which each token takes 2, 1.0M parameters), pre-trained on the default task's additions from scratch until about half
 of the validation problems come out right, so GRPO has something to improve, as on the embedded dense default.
 
     uv run python scripts/build_default_moe.py [--target 0.45] [--out DIR]
@@ -40,7 +40,7 @@ def batches(tokenizer, size: int, seed: int):
     while True:
         picked = torch.randint(len(rows), (size,), generator=generator).tolist()
         prompts = [tokenizer(rows[i]["prompt"]).input_ids for i in picked]
-        answers = [tokenizer(rows[i]["answer"]).input_ids + [eos] for i in picked]
+        answers = [[*tokenizer(rows[i]["answer"]).input_ids, eos] for i in picked]
         width = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
         ids = torch.zeros(size, width, dtype=torch.long)
         labels = torch.full((size, width), -100, dtype=torch.long)

@@ -121,3 +121,16 @@ def test_the_router_trains_only_when_asked(moe_setup, tmp_path):
         merged = dict(iter_merged_weights(trainer.model))
         assert merged["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
         assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], torch.zeros(1))
+
+
+def test_the_embedded_moe_learns(tmp_path):
+    """`trainer model.path=default-moe actor.lr=3e-4` (the README's command): 120 steps of the default task on the
+    embedded Qwen3-MoE, pre-trained to about half right; validation accuracy rises (measured: 0.47 -> 0.65, at best
+    0.66) and ends above where it started."""
+    out = tmp_path / "out"
+    assert main(["model.path=default-moe", "actor.lr=3e-4", "trainer.threads=1", f"trainer.output_dir={out}"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r]
+    assert len(accuracy) == 13
+    assert accuracy[-1] > accuracy[0]
+    assert max(accuracy[1:]) >= accuracy[0] + 0.08, accuracy

@@ -11,7 +11,11 @@ from pathlib import Path
 MAX_OPERAND = 999
 VOCAB = ["<pad>", "<eos>", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "="]
 MODEL_DIR = Path(__file__).resolve().parent / "default_model"
-EMBEDDED = {"default": MODEL_DIR, "calculator": MODEL_DIR.parent / "calculator_model"}  # model.path, data files
+EMBEDDED = {  # model.path (and data files, where the directory holds them)
+    "default": MODEL_DIR,
+    "calculator": MODEL_DIR.parent / "calculator_model",
+    "default-moe": MODEL_DIR.parent / "default_moe_model",  # a Qwen3-MoE, same task (scripts/build_default_moe.py)
+}
 
 
 def is_validation(a: int, b: int) -> bool:

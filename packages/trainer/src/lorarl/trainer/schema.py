@@ -27,7 +27,7 @@ class LoraSection:
 class ModelSection:
     path: str = option("default", "a Hugging Face causal LM: a local directory, or a Hub id (org/name, through the "
                        "Hugging Face cache; HF_HUB_OFFLINE=1 reads the cache alone); 'default' = the embedded "
-                       "model")  # fmt: skip
+                       "model, 'default-moe' its mixture of experts, 'calculator' the tool-calling one")  # fmt: skip
     revision: str | None = option(None, "branch, tag or commit of a Hub model id (None: main)")
     dtype: str = option("float32", "training weights dtype", ("float32", "bfloat16", "float16"))
     gguf_file: str | None = option(None, "a GGUF checkpoint (in model.path, or a path) to start from: dequantised "
