@@ -11,8 +11,8 @@ apply), and `--batches` rollout batches after them (the case's prompts × 8 resp
 Runs are interleaved (merged, adapter, factors, merged, ...). Per case and engine it prints one JSON object with, per
 mode: `bytes` on the wire per sync, `sync_s` (median), `decode_tokens_per_s`, `engine_rss_gb` (the engine's process
 tree after the syncs and the batches) and `engine_peak_rss_gb` (sampled every 20 ms through the syncs); and each
-mode's ratios to merged mode's (`*_vs_merged`). Last, the bytes per sync for 7B and 70B shapes, computed from their
-configs.
+mode's ratios to merged mode's (`*_vs_merged`). Last, the bytes per sync for 7B and 70B shapes and for Qwen3-30B-A3B
+(a mixture of 128 experts), computed from their configs.
 
 Run in the vLLM CPU environment (`scripts/vllm_cpu_env.sh --bench`):
 
@@ -40,6 +40,7 @@ SHAPES = {
         "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
         "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}),
+    "qwen3-moe-tiny": CASES["qwen3-moe-tiny"],  # fused experts (vLLM serves no adapter on them: no adapter mode)
 }  # fmt: skip
 LARGE = {  # configs of public models (their config.json), for the bytes alone
     "llama-2-7b": {"hidden": 4096, "intermediate": 11008, "layers": 32, "heads": 32, "kv_heads": 32, "vocab": 32000,
@@ -48,6 +49,9 @@ LARGE = {  # configs of public models (their config.json), for the bytes alone
                    "tied": False},
     "llama-3-70b": {"hidden": 8192, "intermediate": 28672, "layers": 80, "heads": 64, "kv_heads": 8, "vocab": 128256,
                     "tied": False},
+    # a mixture of experts: 128 fused experts of 768 per layer (LoRA on each), a router of its own (frozen)
+    "qwen3-30b-a3b": {"hidden": 2048, "intermediate": 6144, "layers": 48, "heads": 32, "kv_heads": 4, "head_dim": 128,
+                      "vocab": 151936, "tied": False, "experts": 128, "moe_intermediate": 768},
 }  # fmt: skip
 
 
@@ -116,9 +120,11 @@ def run_side(engine: str, mode: str, case: Case, model: Path, workdir: Path, syn
 
 
 def measure(case: Case, engine: str, model: Path, workdir: Path, *, syncs: int, batches: int, repeats: int) -> dict:
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    moe_on_vllm = engine == "vllm" and case.model is not None and "num_experts" in case.model
+    modes = [mode for mode in MODES if not (moe_on_vllm and mode == "adapter")]
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(repeats):
-        for mode in MODES:  # interleaved
+        for mode in modes:  # interleaved
             runs[mode].append(run_side(engine, mode, case, model, workdir, syncs, batches))
     out = {"case": case.name, "engine": engine, "rank": RANK, "prompts": case.prompts, "generations": GENERATIONS,
            "max_tokens": case.max_tokens, "timed_syncs": syncs, "timed_batches": batches, "repeats": repeats,
@@ -138,6 +144,8 @@ def measure(case: Case, engine: str, model: Path, workdir: Path, *, syncs: int, 
     merged["bytes_vs_full"] = merged["bytes"] / out["merged_full"]["bytes"]
     merged["sync_s_vs_full"] = merged["sync_s"] / out["merged_full"]["sync_s"]
     for mode in ("merged_full", "adapter", "factors"):
+        if mode not in out:
+            continue
         figures = out[mode]
         figures["bytes_vs_merged"] = figures["bytes"] / merged["bytes"]
         figures["sync_s_vs_merged"] = figures["sync_s"] / merged["sync_s"]
@@ -147,14 +155,20 @@ def measure(case: Case, engine: str, model: Path, workdir: Path, *, syncs: int, 
 
 
 def large_model_bytes(name: str, config: dict, *, rank: int = RANK) -> dict:
-    """Bytes per sync of a model of `config`, LoRA of `rank` on every linear layer of its decoder: merged weights in
-    bf16 (every tensor of its state dict), the factors in fp32 (a float32 adapter) and in bf16."""
-    h, i, kv = config["hidden"], config["intermediate"], config["kv_heads"] * config["hidden"] // config["heads"]
-    linear = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # q, k, v, o, gate, up, down: (in, out)
-    layer_params = sum(a * b for a, b in linear) + 2 * h  # and its two norms
+    """Bytes per sync of a model of `config`, LoRA of `rank` on every linear layer of its decoder (and on every expert
+    of a mixture, its router frozen): merged weights in bf16 (every tensor of its state dict), the factors in fp32 (a
+    float32 adapter) and in bf16."""
+    h, heads, kv_heads = config["hidden"], config["heads"], config["kv_heads"]
+    head = config.get("head_dim", h // heads)
+    attention = [(h, heads * head), (h, kv_heads * head), (h, kv_heads * head), (heads * head, h)]  # q, k, v, o
+    experts, i = config.get("experts", 1), config.get("moe_intermediate", config["intermediate"])
+    mlp = [(h, 2 * i), (i, h)] if "experts" in config else [(h, i), (h, i), (i, h)]  # (in, out): fused gate/up, down
+    layer_params = sum(a * b for a, b in attention) + experts * sum(a * b for a, b in mlp) + 2 * h  # and two norms
+    if "experts" in config:
+        layer_params += experts * h + 2 * head  # the router; q and k norms
     embeddings = config["vocab"] * h * (1 if config["tied"] else 2)
     params = config["layers"] * layer_params + embeddings + h
-    factor_values = config["layers"] * rank * sum(a + b for a, b in linear)
+    factor_values = config["layers"] * rank * (sum(a + b for a, b in attention) + experts * sum(a + b for a, b in mlp))
     return {"model": name, "rank": rank, "merged_bf16_gb": 2 * params / GB, "factors_fp32_gb": 4 * factor_values / GB,
             "factors_vs_merged_fp32": 4 * factor_values / (2 * params),
             "factors_vs_merged_bf16": 2 * factor_values / (2 * params)}  # fmt: skip

@@ -8,7 +8,9 @@ those sequences with random advantages, one `optim_step`, and `save_weights_and_
 of every tenant is a warm-up; the timed window runs from when every tenant has finished it to when the last finishes
 `--steps` more. Every count gets a fresh server process.
 
-Models: `default` (the trainer's embedded 3-layer model: per-call overheads dominate) and `smollm2` (SmolLM2-135M-
+Models: `default` (the trainer's embedded 3-layer model: per-call overheads dominate), `default-moe` (its mixture of
+experts: every tenant's adapter covers the fused experts, which peft cannot mix in one forward, so the server decodes
+the tenants' requests adapter by adapter where the dense model's share one batch) and `smollm2` (SmolLM2-135M-
 Instruct from the SmolLM2 recipe's GGUF, dequantised: its matmuls dominate).
 
     uv run --group bench python benchmarks/tenants.py [--models default,smollm2] [--counts 1,2,4,8] [--out OUT.jsonl]
@@ -149,7 +151,7 @@ def prompts_of(model: str, count: int = 64) -> list[list[int]]:
     tokenizer = load_tokenizer(resolve_model_path(model))
     rng = random.Random(0)
     texts = [f"User: What is {rng.randrange(100)} + {rng.randrange(100)}?\n\nAssistant:" for _ in range(count)]
-    if model == "default":  # the embedded model's word-level vocabulary: digits and operators
+    if model in ("default", "default-moe"):  # the embedded models' word-level vocabulary: digits and operators
         texts = [f"{rng.randrange(100)}+{rng.randrange(100)}=" for _ in range(count)]
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
@@ -177,7 +179,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="default,smollm2")
+    parser.add_argument("--models", default="default,smollm2", help="from: default, default-moe, smollm2")
     parser.add_argument("--counts", default="1,2,4,8")
     parser.add_argument("--runs", type=int, default=2, help="runs per model and count (interleaved)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per tenant (after one warm-up step)")
@@ -192,7 +194,7 @@ def main() -> None:
     parser.add_argument("--out", help="JSONL file for the rows and the summary")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
-    models = {"default": "default", "smollm2": None}
+    models = {"default": "default", "default-moe": "default-moe", "smollm2": None}
     chosen = args.models.split(",")
     if not set(chosen) <= set(models):
         parser.error(f"--models: expected names from {list(models)}, got {args.models!r}")

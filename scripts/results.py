@@ -101,10 +101,14 @@ def cookbook_math_rl(rows: list[dict]) -> str:
 
 def merge_throughput(rows: list[dict]) -> str:
     parts = []
-    for backend, group in by([r for r in rows if "ratio_to_copy" in r and "model" not in r], "backend").items():
+    for backend, group in by([r for r in rows if r.get("case") == "layer"], "backend").items():
         ratios = [r["ratio_to_copy"] for r in group]
         parts.append(f"{backend} median {statistics.median(ratios):.2f} ({spread(ratios)})")
-    return "ratio to copy_: " + "; ".join(parts)
+    headline = ["ratio to copy_: " + "; ".join(parts)] if parts else []
+    for backend, group in by([r for r in rows if r.get("case") == "experts"], "backend").items():
+        headline.append(f"{backend} grouped merge of experts over the dense merge of their bytes: "
+                        f"{spread([r['ratio_to_dense'] for r in group])}x GB/s")  # fmt: skip
+    return "; ".join(headline) or f"{len(rows)} rows"
 
 
 def sync_throughput(rows: list[dict]) -> str:

@@ -39,9 +39,9 @@ def test_expert_versions_serve_what_transformers_computes(tmp_path, family, inte
         llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_a_moe_trains_on_vllm_alike_with_merged_and_factor_syncs(trainer_setup, tmp_path, family):
-    setup = trainer_setup | {"model": str(make_moe_model_dir(tmp_path / family, family))}
+def test_a_moe_trains_on_vllm_alike_with_merged_and_factor_syncs(trainer_setup, tmp_path):
+    """Qwen3-MoE (Qwen2-MoE's updates reach vLLM as the test above shows, through the same loader and kernel)."""
+    setup = trainer_setup | {"model": str(make_moe_model_dir(tmp_path / "moe"))}
     runs = {}
     for sync in ("merged", "factors"):
         out = tmp_path / sync

@@ -80,8 +80,8 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
     assert len({r.lora_int_id for r in requests}) == 3  # a fresh id each: vLLM would serve a reused id's old adapter
 
 
-@pytest.mark.parametrize(("placement", "sync"), [("inline", "merged"), ("process", "merged"), ("ray", "merged"),
-                                                 ("process", "adapter"), ("ray", "factors")])  # fmt: skip
+@pytest.mark.parametrize(("placement", "sync"), [("inline", "merged"), ("process", "merged"), ("process", "adapter"),
+                                                 ("ray", "factors")])  # fmt: skip
 def test_a_short_run_in_each_placement(trainer_setup, tmp_path, placement, sync):
     extra = {"process": {"rollout__worker": "process"}, "ray": {"trainer__backend": "ray"}}.get(placement, {})
     out = tmp_path / "out"

@@ -38,12 +38,22 @@ def merged_run(moe_setup, tmp_path_factory):
     return run(moe_setup, out), out
 
 
-@pytest.mark.parametrize("worker", ["inline", "process"])
-def test_trains_with_merged_and_factor_syncs_alike(moe_setup, merged_run, tmp_path, worker):
-    """3 steps each way: the engine samples from the trainer's merged weights (its log-probs equal the trainer's), the
-    adapter learns (the experts' LoRA gets gradients), and the factor sync gives the very run the merged sync does."""
-    merged = merged_run[0] if worker == "inline" else run(moe_setup, tmp_path / "merged", rollout__worker=worker)
-    factors = run(moe_setup, tmp_path / "factors", rollout__worker=worker, rollout__sync="factors")
+def test_trains_with_merged_and_factor_syncs_alike(moe_setup, merged_run, tmp_path):
+    """3 steps each way, the HF engine inline: the engine samples from the trainer's merged weights (its log-probs
+    equal the trainer's), the adapter learns (the experts' LoRA gets gradients), and the factor sync gives the very
+    run the merged sync does."""
+    assert_alike(merged_run[0], run(moe_setup, tmp_path / "factors", rollout__sync="factors"))
+
+
+def test_an_engine_in_its_own_process_takes_the_expert_updates(tiny_setup, tmp_path):
+    """The same with the HF engine in a process of its own (the updates cross a gloo group): Qwen3-MoE."""
+    setup = tiny_setup | {"model": str(make_moe_model_dir(tmp_path / "moe"))}
+    merged = run(setup, tmp_path / "merged", rollout__worker="process")
+    assert_alike(merged, run(setup, tmp_path / "factors", rollout__worker="process", rollout__sync="factors"))
+
+
+def assert_alike(merged: list[dict], factors: list[dict]) -> None:
+    """A merged and a factor run of the same seed: the same metrics, the engine's log-probs the trainer's (fp32)."""
     assert all(step["rollout/abs_logp_diff"] < 1e-4 for step in merged + factors)
     assert all(step["grad_norm"] > 0 for step in merged)
     same = ("reward/mean", "grad_norm", "entropy", "response_length/mean", "rollout/abs_logp_diff")

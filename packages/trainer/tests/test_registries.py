@@ -347,3 +347,26 @@ def test_a_registered_policy_loss_is_aggregated_and_measured_like_the_built_in_o
         assert metrics["ratio_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.1))))
     finally:
         POLICY_LOSSES.remove("toy_vanilla_pg")
+
+
+def test_a_plugin_file_copied_elsewhere_registers_its_names_again(tmp_path):
+    """The same environment file in two runs' directories (each imported as a module of its own) registers its name
+    twice: the newest is kept; another class under a taken name is still refused."""
+    from lorarl.trainer.envs import ENVIRONMENTS
+    from lorarl.trainer.registry import import_object
+
+    source = (
+        "from lorarl.trainer.envs import register_env\nfrom lorarl.trainer.envs.chat import ChatEnvironment\n\n\n"
+        "@register_env('copied_twice')\nclass Copied(ChatEnvironment):\n    pass\n"
+    )
+    found = []
+    for place in ("a", "b"):
+        (tmp_path / place).mkdir()
+        (tmp_path / place / "env.py").write_text(source)
+        found.append(import_object(f"{tmp_path / place / 'env.py'}:Copied"))
+    assert found[0] is not found[1]
+    assert ENVIRONMENTS["copied_twice"].target is found[1]
+    (tmp_path / "c.py").write_text(source.replace("    pass", "    turns = 2"))
+    with pytest.raises(PluginError, match="'copied_twice' is registered already"):
+        import_object(f"{tmp_path / 'c.py'}:Copied")
+    ENVIRONMENTS.remove("copied_twice")

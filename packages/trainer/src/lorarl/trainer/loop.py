@@ -137,6 +137,7 @@ class Trainer:
         self.engines: list[RolloutEngine] = []  # more than one with rollout.max_staleness
         self.stale: StaleBatches | None = None
         self.rollouts: Rollouts | None = None
+        self.sync_forms: tuple[str, ...] | None = None  # the update forms the engine takes (`start_engine`)
         self.weights = None if self.is_main else self._weight_sync(None)
         self.samples_log: SamplesLog | None = None  # the main rank's, while it runs with trainer.log_samples
 

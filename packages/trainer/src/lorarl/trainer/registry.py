@@ -115,7 +115,7 @@ class Registry(Generic[P]):
             raise TypeError(f"{self.kind} {name!r}: settings must be a dataclass, got {settings!r}")
 
         def add(target: Any) -> Any:
-            if name in self._entries:
+            if name in self._entries and not _same_source(self._entries[name].target, target):
                 raise ValueError(f"{self.kind} {name!r} is registered already")
             entry = self.entry_type(name=name, target=target, **fields)
             self._entries[name] = entry
@@ -267,3 +267,16 @@ def _unpickle_with_plugins(files: list[str], data: bytes) -> Portable:
     for path in files:
         _import_file(Path(path))
     return Portable(pickle.loads(data))
+
+
+def _same_source(registered: Any, target: Any) -> bool:
+    """Whether `target` is `registered` imported again: the same plugin file read from another place (a copy in
+    another run's directory), which registers its names once more — the newest is kept, as a re-import would."""
+    import inspect
+
+    if getattr(registered, "__qualname__", None) != getattr(target, "__qualname__", None):
+        return False
+    try:
+        return inspect.getsource(registered) == inspect.getsource(target)
+    except (OSError, TypeError):  # defined where no source can be read (an interactive session): not comparable
+        return False
