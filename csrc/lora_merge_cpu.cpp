@@ -694,6 +694,35 @@ void with_storage_type(at::ScalarType dtype, const char* name, Fn&& fn) {
   }
 }
 
+// A factor of a group of experts, contiguous. peft keeps an expert adapter's B flat, [out, r·E] with expert e's rank k
+// in column k·E + e, so the [E, out, r] view the op gets has the experts innermost (stride 1). Copied expert by expert
+// from a block of kBlock source rows at a time, which stays in L1 (8 x r·E values: 32 KB at r = E = 32) while every
+// expert's rows of it are written out whole: a plain contiguous() reads each source line once per expert from farther
+// away, and writing the experts' rows side by side puts E streams 4 KiB multiples apart into the same cache sets
+// (either way 3.7-5.5 ms of an 18.7 ms merge at rank 32 and 32 experts).
+template <typename T>
+at::Tensor experts_contiguous(const at::Tensor& factor) {
+  if (factor.is_contiguous() || factor.stride(0) != 1) return factor.contiguous();
+  constexpr int64_t kBlock = 8;
+  const int64_t experts = factor.size(0), rows = factor.size(1), cols = factor.size(2);
+  const int64_t row_stride = factor.stride(1), col_stride = factor.stride(2);
+  at::Tensor out = at::empty({experts, rows, cols}, factor.options());
+  const T* const src = static_cast<const T*>(factor.const_data_ptr());
+  T* const dst = static_cast<T*>(out.mutable_data_ptr());
+  at::parallel_for(0, (rows + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t i0 = b * kBlock, i1 = std::min(rows, i0 + kBlock);
+      for (int64_t e = 0; e < experts; ++e)
+        for (int64_t i = i0; i < i1; ++i) {
+          T* const to = dst + (e * rows + i) * cols;
+          const T* const from = src + e + i * row_stride;
+          for (int64_t j = 0; j < cols; ++j) to[j] = from[j * col_stride];
+        }
+    }
+  });
+  return out;
+}
+
 // Experts are merged one after the other, each by every thread: an expert's matrix (Qwen3-30B-A3B's are 1.5-3M
 // elements) keeps all threads busy with blocks of rows, and the factors' packing is the dense merge's.
 void merge_lora_cpu(const at::Tensor& weight_in, const at::Tensor& left_in, const at::Tensor& right_in, double scale,
@@ -706,14 +735,14 @@ void merge_lora_cpu(const at::Tensor& weight_in, const at::Tensor& left_in, cons
     return;
   }
   const int64_t experts = weight.size(0), m = weight.size(1), n = weight.size(2), rank = left.size(2);
-  const at::Tensor left_f = left.to(at::kFloat).contiguous();
-  const at::Tensor right_f = right.to(at::kFloat).contiguous();
+  const at::Tensor left_f = experts_contiguous<float>(left.to(at::kFloat));
+  const at::Tensor right_f = experts_contiguous<float>(right.to(at::kFloat));
   // bf16 factors of an even rank: multiplied as bf16 pairs (exact products, fp32 sums; twice the FMA rate). Their
   // fp32 copies still serve the edge columns.
   const bool pairs = kPairsBuilt && left.scalar_type() == at::kBFloat16 && right.scalar_type() == at::kBFloat16 &&
                      rank % 2 == 0;
-  const at::Tensor left_bf16 = pairs ? left.contiguous() : at::Tensor();
-  const at::Tensor right_bf16 = pairs ? right.contiguous() : at::Tensor();
+  const at::Tensor left_bf16 = pairs ? experts_contiguous<uint16_t>(left) : at::Tensor();
+  const at::Tensor right_bf16 = pairs ? experts_contiguous<uint16_t>(right) : at::Tensor();
   const bool stream = stream_output(weight, out);
   with_storage_type(weight.scalar_type(), "weight", [&](auto* tw) {
     with_storage_type(out.scalar_type(), "out", [&](auto* to) {

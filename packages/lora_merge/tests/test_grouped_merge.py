@@ -38,14 +38,15 @@ def test_each_expert_as_its_own_merge(backend, device, dtype, transposed, shape)
 
 
 @pytest.mark.parametrize(("backend", "device"), ON_DEVICES)
-def test_peft_flat_layout_read_in_place(backend, device):
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])  # bf16: the C++ op's pairs of ranks
+def test_peft_flat_layout_read_in_place(backend, device, factor_dtype):
     """peft keeps an expert adapter flat: `lora_A [E·r, in]`, `lora_B [out, r·E]` with expert e's rank k in column
     k·E + e. Its views (`lora_B.view(out, r, E).permute(2, 0, 1)`, strided) merge as the copies they stand for."""
     experts, rows, cols, rank = 4, 48, 40, 6
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(experts, rows, cols, generator=generator).to(torch.bfloat16).to(device)
-    flat_A = torch.randn(experts * rank, cols, generator=generator).to(device)
-    flat_B = torch.randn(rows, rank * experts, generator=generator).to(device)
+    flat_A = torch.randn(experts * rank, cols, generator=generator).to(factor_dtype).to(device)
+    flat_B = torch.randn(rows, rank * experts, generator=generator).to(factor_dtype).to(device)
     lora_A = flat_A.view(experts, rank, cols)
     lora_B = flat_B.view(rows, rank, experts).permute(2, 0, 1)
     assert not lora_B.is_contiguous()
