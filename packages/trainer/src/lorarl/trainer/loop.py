@@ -28,6 +28,7 @@ from lorarl.trainer.logprobs import resolve_layout, scores_from_hidden
 from lorarl.trainer.metrics import MetricsLog, SamplesLog, cuda_memory, plot, sample_rows
 from lorarl.trainer.models import (
     Critic,
+    Mixture,
     Policy,
     adapts_fused_experts,
     load_tokenizer,
@@ -98,7 +99,8 @@ class Trainer:
         self.policy = Policy(config.model, self.device, kl_coef=config.algorithm.kl_coef)
         uses_critic = algorithms.ADVANTAGES[config.algorithm.adv_estimator].needs_values
         self.critic = Critic(config.critic, self.policy, self.device) if uses_critic else None
-        self.rollout_dtype = rollout_dtype(r.dtype, self.policy.dtype, self.device)
+        fused_experts = r.engine == "hf" and bool(Mixture.of(self.policy.model).experts)
+        self.rollout_dtype = rollout_dtype(r.dtype, self.policy.dtype, self.device, fused_experts=fused_experts)
         if self.is_main:
             warn_slow_dtypes({"model.dtype": config.model.dtype, "rollout.dtype": r.dtype,
                               "actor.autocast": config.actor.autocast}, self.device)  # fmt: skip

@@ -79,8 +79,9 @@ class RolloutSection:
                        "that holds them exactly; none inline on the HF engine, which reads the trainer's own); or "
                        "auto (measure each once)")  # fmt: skip
     dtype: str = option("auto", "the engine's weights dtype; auto: bfloat16 for a float32 model where the device "
-                        "computes bfloat16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else model.dtype "
-                        "(the trainer recomputes log-probs in model.dtype either way)",
+                        "computes bfloat16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX; not a mixture of "
+                        "experts in the HF engine on a CPU, slower in bf16 there), else model.dtype (the trainer "
+                        "recomputes log-probs in model.dtype either way)",
                         ("auto", "float32", "bfloat16", "float16"))  # fmt: skip
     bucket_mb: int = option(256, "weight-sync bucket size (MB)")
     worker: str = option("inline", "where the engine runs: in the trainer's process (weights copied in, no second "
