@@ -12,7 +12,7 @@ Runs are interleaved (merged, adapter, factors, merged, ...). Per case and engin
 mode: `bytes` on the wire per sync, `sync_s` (median), `decode_tokens_per_s`, `engine_rss_gb` (the engine's process
 tree after the syncs and the batches) and `engine_peak_rss_gb` (sampled every 20 ms through the syncs); and each
 mode's ratios to merged mode's (`*_vs_merged`). Last, the bytes per sync for 7B and 70B shapes and for Qwen3-30B-A3B
-(a mixture of 128 experts), computed from their configs.
+(a mixture of 128 experts), computed from their configs, at rank 16 and 32.
 
 Run in the vLLM CPU environment (`scripts/vllm_cpu_env.sh --bench`):
 
@@ -210,7 +210,8 @@ def main() -> None:
                                  repeats=repeats)  # fmt: skip
                 print(json.dumps(result), flush=True)
     for name, config in LARGE.items():
-        print(json.dumps(large_model_bytes(name, config)), flush=True)
+        for rank in (RANK, 32):
+            print(json.dumps(large_model_bytes(name, config, rank=rank)), flush=True)
 
 
 if __name__ == "__main__":
