@@ -45,9 +45,10 @@ def test_trains_with_merged_and_factor_syncs_alike(moe_setup, merged_run, tmp_pa
     assert_alike(merged_run[0], run(moe_setup, tmp_path / "factors", rollout__sync="factors"))
 
 
-def test_an_engine_in_its_own_process_takes_the_expert_updates(tiny_setup, tmp_path):
-    """The same with the HF engine in a process of its own (the updates cross a gloo group): Qwen3-MoE."""
-    setup = tiny_setup | {"model": str(make_moe_model_dir(tmp_path / "moe"))}
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_engine_in_its_own_process_takes_the_expert_updates(tiny_setup, tmp_path, family):
+    """The same with the HF engine in a process of its own (the updates cross a gloo group)."""
+    setup = tiny_setup | {"model": str(make_moe_model_dir(tmp_path / "moe", family))}
     merged = run(setup, tmp_path / "merged", rollout__worker="process")
     assert_alike(merged, run(setup, tmp_path / "factors", rollout__worker="process", rollout__sync="factors"))
 
