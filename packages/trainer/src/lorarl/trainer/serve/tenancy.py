@@ -17,7 +17,14 @@ from torch import Tensor, nn
 
 from lorarl.trainer.head_logprobs import head_logprobs, head_replaced
 from lorarl.trainer.logprobs import micro_batches
-from lorarl.trainer.models import Mixture, adapters, load_base, load_tokenizer, resolve_model_path
+from lorarl.trainer.models import (
+    Mixture,
+    adapters,
+    adapts_fused_experts,
+    load_base,
+    load_tokenizer,
+    resolve_model_path,
+)
 from lorarl.trainer.serve.losses import LOSSES
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -104,7 +111,7 @@ class SharedBase:
     def mixes_adapters(self) -> bool:
         """Whether one forward can serve rows of several adapters (peft's mixed batches): not where an adapter is
         on fused experts (peft's `ParamWrapper` has no mixed batches), whose rows then decode adapter by adapter."""
-        return self.model is None or not any(type(m).__name__ == "ParamWrapper" for m in self.model.modules())
+        return self.model is None or not adapts_fused_experts(self.model)
 
     def add_adapter(self, name: str, shape: LoraShape) -> list[nn.Parameter]:
         """A new adapter `name` of `shape` (B = 0: the base's outputs at first), initialised from `shape.seed` where
