@@ -11,7 +11,7 @@ import pytest
 from side_envs import ROOT, run_side_tests, vllm_environment
 
 ENV = Path(os.environ.get("LORARL_VERIFIERS_V1_ENV", ROOT / ".venv-verifiers-v1"))
-MIN_TESTS = 12  # what tests/verifiers_v1 holds today, at least
+MIN_TESTS = 10  # what tests/verifiers_v1 holds today, at least
 
 
 @pytest.mark.starts_first

@@ -10,7 +10,7 @@ import pytest
 from side_envs import ROOT, run_side_tests, vllm_environment
 
 ENV = Path(os.environ.get("LORARL_VLLM_ENV", ROOT / ".venv-vllm-cpu"))
-MIN_TESTS = 58  # what tests/vllm_cpu holds today, at least: a run that collected fewer lost some
+MIN_TESTS = 55  # what tests/vllm_cpu holds today, at least: a run that collected fewer lost some
 
 
 @pytest.mark.starts_first

@@ -130,13 +130,14 @@ def test_a_branch_that_is_not_what_the_engine_sampled_is_refused_naming_the_epis
         check_branches(episode, trace)
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-@pytest.mark.parametrize(("rows", "settings"), [(GREET, ("env.verifiers.id=v1_tasks",)), (SUMS, TOOLS),
-                                                (GUESSES, ("env.verifiers.id=v1_guess",))],
-                         ids=["greet", "tools", "guess"])  # fmt: skip
+@pytest.mark.parametrize(("rows", "settings", "engine"), [(GREET, ("env.verifiers.id=v1_tasks",), "hf"),
+                                                          (SUMS, TOOLS, "hf"), (SUMS, TOOLS, "vllm"),
+                                                          (GUESSES, ("env.verifiers.id=v1_guess",), "hf")],
+                         ids=["greet-hf", "tools-hf", "tools-vllm", "guess-hf"])  # fmt: skip
 def test_a_v1_environment_trains_two_steps(tmp_path, engine, rows, settings):
-    """Two steps on the HF engine and on vLLM's CPU build, each step's engine log-probs as the trainer recomputes
-    them on the action tokens."""
+    """Two steps on the HF engine, and the tool-calling environment (the most the route carries: turns, tool
+    responses, stop strings) on vLLM's CPU build too; each step's engine log-probs as the trainer recomputes them
+    on the action tokens."""
     engine_keys = VLLM if engine == "vllm" else ()
     model = chat_model_dir(tmp_path / "model", head_dim=32 if engine == "vllm" else 8)
     steps = train_two_steps(tmp_path, model, rows, "env=verifiers", *settings, "rollout.max_tokens=8",

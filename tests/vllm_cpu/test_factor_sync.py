@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from test_trainer_vllm import assert_a_short_run
 from vllm_cpu_helpers import (
     SenderProcess,
     assert_greedy_and_logprobs_match,
@@ -140,6 +141,8 @@ def test_a_failed_factor_transfer_leaves_the_previous_version_serving(tmp_path):
 
 @pytest.mark.parametrize("worker", ["inline", "process"])
 def test_a_factor_run_repeats_a_merged_run(trainer_setup, tmp_path, worker):
+    """The merged run is also the short run of its placement (`test_trainer_vllm.test_a_short_run_in_each_placement`),
+    checked as that test checks it."""
     runs = {}
     for sync in ("merged", "factors"):
         out = tmp_path / sync
@@ -148,4 +151,4 @@ def test_a_factor_run_repeats_a_merged_run(trainer_setup, tmp_path, worker):
         runs[sync] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     same = lambda record: {k: v for k, v in record.items() if not k.startswith(("timing/", "sync/"))}  # noqa: E731
     assert [same(r) for r in runs["factors"]] == [same(r) for r in runs["merged"]]
-    assert all(r["rollout/version_lag"] == 0 for r in runs["factors"] if r["step"] > 0)
+    assert_a_short_run(runs["merged"], 5)

@@ -28,9 +28,9 @@ def trainer_for(setup, output_dir, **extra) -> Trainer:
     return Trainer(load_config(None, trainer_overrides(setup, output_dir, **extra), presets=PRESETS))
 
 
-@pytest.mark.parametrize("worker", ["inline", "process"])
-def test_the_served_adapter_generates_what_the_merged_weights_generate(trainer_setup, tmp_path, worker):
-    trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="adapter", rollout__worker=worker)
+def test_the_served_adapter_generates_what_the_merged_weights_generate(trainer_setup, tmp_path):
+    """(In a process engine: `test_a_short_run_in_each_placement[process-adapter]`, its log-probs the trainer's.)"""
+    trainer = trainer_for(trainer_setup, tmp_path / "out", rollout__sync="adapter")
     served, merged, again = served_merged_served(trainer)
     assert {c.version for c in served + merged + again} == {3}  # as vLLM recorded it
     assert_same_completions(served, merged)
@@ -80,30 +80,37 @@ def test_adapter_versions_are_served_one_after_another_each_as_the_trainer_holds
     assert len({r.lora_int_id for r in requests}) == 3  # a fresh id each: vLLM would serve a reused id's old adapter
 
 
-@pytest.mark.parametrize(("placement", "sync"), [("inline", "merged"), ("process", "merged"), ("process", "adapter"),
-                                                 ("ray", "factors")])  # fmt: skip
+def assert_a_short_run(records: list[dict], steps: int) -> None:
+    """`steps` steps, each on the weights of the step before, with the engine's log-probs the trainer's."""
+    steps_run = [r for r in records if r["step"] > 0]
+    assert len(steps_run) == steps
+    assert all(r["rollout/version_lag"] == 0 for r in steps_run)
+    assert max(r["rollout/abs_logp_diff"] for r in steps_run) < LOGP_DIFF_LIMIT
+    assert all(r["sync/bytes"] > 0 for r in steps_run)
+
+
+@pytest.mark.parametrize(("placement", "sync"), [("process", "adapter"), ("ray", "factors")])
 def test_a_short_run_in_each_placement(trainer_setup, tmp_path, placement, sync):
-    extra = {"process": {"rollout__worker": "process"}, "ray": {"trainer__backend": "ray"}}.get(placement, {})
+    """(Merged sync inline and in a process: `test_factor_sync.test_a_factor_run_repeats_a_merged_run`.)"""
+    extra = {"process": {"rollout__worker": "process"}, "ray": {"trainer__backend": "ray"}}[placement]
     out = tmp_path / "out"
     assert main(trainer_overrides(trainer_setup, out, rollout__sync=sync, trainer__steps=4, **extra)) == 0
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["step"] > 0]
-    assert len(steps) == 4
-    assert all(r["rollout/version_lag"] == 0 for r in steps)
-    assert max(r["rollout/abs_logp_diff"] for r in steps) < LOGP_DIFF_LIMIT
-    assert all(r["sync/bytes"] > 0 for r in steps)
+    assert_a_short_run([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], 4)
 
 
 def test_the_default_job_learns_with_vllm(tmp_path):
-    """`trainer rollout.engine=vllm` in this environment: the embedded default, 120 steps, at least +10 points."""
+    """`trainer rollout.engine=vllm` in this environment: the embedded default's first 40 steps (of 120), its last
+    two evaluations at least 8 points over the first on average (the HF engine: +16 at these steps)."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "lorarl.trainer.cli", "rollout.engine=vllm", f"trainer.output_dir={out}",
+               "trainer.steps=40",
                "trainer.threads=1"]  # vLLM's CPU worker fixes the count once it starts: 2, beside other work, 3x slower
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r]
-    assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
+    assert len(accuracy) == 5, accuracy
+    assert sum(accuracy[-2:]) / 2 >= accuracy[0] + 0.08, accuracy
     assert max(r["rollout/abs_logp_diff"] for r in records if r["step"] > 0) < LOGP_DIFF_LIMIT
 
 

@@ -112,15 +112,18 @@ LOGPROB_TOLERANCE = 2e-4  # float32 engine against float32 transformers; measure
 # --- a trainer's sender in a process of its own ------------------------------------------------------------------
 
 
+SENDERS = mp.get_context("forkserver")  # senders forked from a process that imported torch once: no 2 s import each
+SENDERS.set_forkserver_preload(["torch", "lorarl.weight_sync"])
+
+
 class SenderProcess:
     """Rank 0 of a gloo sync group in a process of its own, sending what it is told: `send(version, tensors,
     fault)` with fault None, "corrupt" (one flipped byte on the wire, after the checksums) or "die" (SIGKILL in the
     second bucket)."""
 
     def __init__(self, port: int, workers: int = 1):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_sender_main, args=(child, port, workers + 1), daemon=True)
+        self.conn, child = SENDERS.Pipe()
+        self.process = SENDERS.Process(target=_sender_main, args=(child, port, workers + 1), daemon=True)
         self.process.start()
 
     @classmethod

@@ -10,6 +10,11 @@ from collections.abc import Callable
 
 from lorarl.weight_sync import create_sync_group, free_port
 
+# A fork server that has imported torch once starts each group's processes in a fraction of a second, where spawn
+# imports torch again in each (~2 s of CPU: most of these tests' time). It forks before any thread or device exists.
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "lorarl.weight_sync"])
+
 
 def _child(fn: Callable, rank: int, world: int, port: int, timeout: float, results, join: bool) -> None:
     try:
@@ -37,7 +42,7 @@ def run_group(
     that ended without a word (it killed itself, or crashed), as soon as its last words had a second to arrive. Any
     process still running after `deadline` seconds is killed and reported as "hung", so a test never hangs.
     """
-    ctx = mp.get_context("spawn")
+    ctx = CONTEXT
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -1,6 +1,5 @@
 """Shared buckets between real processes (shared memory on CPU stands in for CUDA IPC: the same code path)."""
 
-import time
 from functools import partial
 
 import pytest
@@ -37,10 +36,10 @@ def test_an_input_that_raises_stops_every_consumer():
 
 
 def test_a_consumer_that_dies_or_stops_makes_the_producer_raise_not_hang():
-    started = time.monotonic()
-    out = run_group([partial(s.producer, timeout=3), s.dying_consumer, s.consumer], join=False, deadline=10)
-    assert time.monotonic() - started < 12
-    assert out[0][0] == "error"
+    # a hung producer is killed at the deadline and reported "hung"; the deadline is wide, as starting three
+    # processes on a busy machine can take longer than the producer's own 3 s
+    out = run_group([partial(s.producer, timeout=3), s.dying_consumer, s.consumer], join=False, deadline=60)
+    assert out[0][0] == "error", out[0]
     assert "a consumer did not finish within 3 s" in out[0][1]
     assert out[2][0] == "error"  # the other consumer learns it too
     assert "TransferError" in out[2][1]
