@@ -135,13 +135,14 @@ def test_the_router_trains_only_when_asked(moe_setup, tmp_path):
 
 
 def test_the_embedded_moe_learns(tmp_path):
-    """`trainer model.path=default-moe actor.lr=3e-4` (the README's command): 120 steps of the default task on the
-    embedded Qwen3-MoE, pre-trained to about half right; validation accuracy rises (measured: 0.46 -> 0.64, at best
-    0.67) and ends above where it started."""
+    """`trainer model.path=default-moe actor.lr=3e-4` (the README's command), its first 60 steps of 120: the default
+    task on the embedded Qwen3-MoE, pre-trained to about half right; validation accuracy rises (measured over 120
+    steps: 0.46 -> 0.64, at best 0.67; over these 60: 0.46 -> 0.64) and ends above where it started."""
     out = tmp_path / "out"
-    assert main(["model.path=default-moe", "actor.lr=3e-4", "trainer.threads=1", f"trainer.output_dir={out}"]) == 0
+    overrides = ["model.path=default-moe", "actor.lr=3e-4", "trainer.steps=60", "trainer.threads=1"]
+    assert main([*overrides, f"trainer.output_dir={out}"]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r]
-    assert len(accuracy) == 13
+    assert len(accuracy) == 7
     assert accuracy[-1] > accuracy[0]
     assert max(accuracy[1:]) >= accuracy[0] + 0.08, accuracy
