@@ -1,5 +1,6 @@
 """Data-parallel training (FSDP2, 2 CPU ranks over gloo) makes the same update as one rank on the same global batch:
-mini-batches split across ranks, micro-batches padded to equal counts, gradients summed, metrics combined."""
+mini-batches split across ranks, micro-batches padded to equal counts, gradients summed, metrics combined; torchrun's
+ranks on one node listen on loopback alone."""
 
 import functools
 import json
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from dp_workers import one_step
+from listeners import on_loopback_alone, run_and_watch
 from peft import PeftModel
 from safetensors.torch import load_file
 from sync_processes import run_group
@@ -67,10 +69,14 @@ def test_two_ranks_make_the_update_of_one(tiny_setup, tmp_path, settings, atol):
                 torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=2e-5)
 
 
+def torchrun_command(setup: dict, out, **extra) -> list[str]:
+    """A run of two ranks on this node, as torchrun starts them."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "lorarl.trainer.cli", *tiny_overrides(setup, out, **extra)]  # fmt: skip
+
+
 def torchrun(setup: dict, out, **extra) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "lorarl.trainer.cli", *tiny_overrides(setup, out, **extra)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(torchrun_command(setup, out, **extra), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -81,15 +87,21 @@ def records(out) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def straight_run(tiny_setup, tmp_path_factory):
-    """One uninterrupted 12-step torchrun run with two ranks (default settings), shared by the tests below."""
+    """One uninterrupted 12-step torchrun run with two ranks (default settings), shared by the tests below: its
+    output directory, what it printed, and the listeners of its ranks (torchrun's agent left out)."""
     out = tmp_path_factory.mktemp("straight")
-    return out, torchrun(tiny_setup, out)
+    seen, output = run_and_watch(torchrun_command(tiny_setup, out), skip_root=True)
+    return out, output, seen
 
 
-def test_a_torchrun_run_with_two_ranks_learns_and_saves_a_loadable_adapter(tiny_setup, straight_run):
-    out, done = straight_run
-    assert done.stdout.count("done: 12 steps") == 1  # rank 0 reports; rank 1 trains silently
-    assert "returned a view tensor" not in done.stderr  # FSDP2's warning at each forward, expected: not shown
+def test_a_two_rank_torchrun_run_learns_saves_a_loadable_adapter_and_listens_on_loopback(tiny_setup, straight_run):
+    """(torchrun's agent hosts the rendezvous store: torch's, on every interface — name the node's address in
+    --rdzv-endpoint and a firewall for it; the ranks, lorarl's, listen on loopback.)"""
+    out, output, seen = straight_run
+    assert seen, "no listener of the ranks was seen"
+    assert on_loopback_alone(seen, set()), seen
+    assert output.count("done: 12 steps") == 1  # rank 0 reports; rank 1 trains silently
+    assert "returned a view tensor" not in output  # FSDP2's warning at each forward, expected: not shown
     rewards = [r["reward/mean"] for r in records(out)]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1

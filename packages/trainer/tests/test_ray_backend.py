@@ -1,9 +1,11 @@
 """`trainer.backend=ray` on CPU: two HF rollout replicas as Ray actors, the merged weights broadcast to both over one
-gloo group, prompts spread across them; a short run learns as the local backend does."""
+gloo group, prompts spread across them; a short run learns as the local backend does; the local cluster listens on
+loopback alone."""
 
 import json
 
 import pytest
+from listeners import on_loopback_alone, watching
 from trainer_fixtures import tiny_overrides
 
 from lorarl.lora_merge import iter_merged_weights
@@ -45,9 +47,11 @@ def test_two_replicas_receive_the_merged_weights_and_share_the_prompts(tiny_setu
     assert not ray.is_initialized()
 
 
-def test_a_ray_run_learns(tiny_setup, tmp_path):
+def test_a_ray_run_learns_and_its_local_cluster_listens_on_loopback_alone(tiny_setup, tmp_path):
     out = tmp_path / "out"
-    assert main(tiny_overrides(tiny_setup, out, trainer__backend="ray", rollout__replicas=2)) == 0
+    with watching() as seen:  # Ray's GCS, raylet and workers, the replicas' sync group (Ray authenticates no one)
+        assert main(tiny_overrides(tiny_setup, out, trainer__backend="ray", rollout__replicas=2)) == 0
+    assert on_loopback_alone(seen, {"gcs_server", "raylet"}), seen
     rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
@@ -58,10 +62,13 @@ def test_replicas_need_the_ray_backend(tiny_setup, tmp_path):
 
 
 def test_trainer_ranks_as_ray_actors_learn(tiny_setup, tmp_path, capsys):
-    """Two data-parallel trainer ranks (FSDP2 over gloo) as Ray actors, with a rollout replica as a third actor."""
+    """Two data-parallel trainer ranks (FSDP2 over gloo) as Ray actors, with a rollout replica as a third actor; the
+    local cluster and the ranks' group listen on loopback alone."""
     out = tmp_path / "out"
     overrides = tiny_overrides(tiny_setup, out, trainer__backend="ray", trainer__n_gpus_per_node=2)
-    assert main(overrides) == 0
+    with watching() as seen:  # the ranks' own group too
+        assert main(overrides) == 0
+    assert on_loopback_alone(seen, {"gcs_server", "raylet"}), seen
     rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rewards) == 12  # written once, by rank 0
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
