@@ -2,13 +2,13 @@
 disk, an engine in this process with lorarl's weight-transfer backend, a trainer-side sender in a process of its own
 (faults injected on demand), and the references — transformers' forward pass and its greedy choice."""
 
-import multiprocessing as mp
 import os
 import signal
 import traceback
 from pathlib import Path
 
 import torch
+from sync_processes import CONTEXT  # forked from a server that imported torch once
 from trainer_fixtures import tiny_overrides
 
 from lorarl.trainer import default_task
@@ -112,18 +112,14 @@ LOGPROB_TOLERANCE = 2e-4  # float32 engine against float32 transformers; measure
 # --- a trainer's sender in a process of its own ------------------------------------------------------------------
 
 
-SENDERS = mp.get_context("forkserver")  # senders forked from a process that imported torch once: no 2 s import each
-SENDERS.set_forkserver_preload(["torch", "lorarl.weight_sync"])
-
-
 class SenderProcess:
     """Rank 0 of a gloo sync group in a process of its own, sending what it is told: `send(version, tensors,
     fault)` with fault None, "corrupt" (one flipped byte on the wire, after the checksums) or "die" (SIGKILL in the
     second bucket)."""
 
     def __init__(self, port: int, workers: int = 1):
-        self.conn, child = SENDERS.Pipe()
-        self.process = SENDERS.Process(target=_sender_main, args=(child, port, workers + 1), daemon=True)
+        self.conn, child = CONTEXT.Pipe()
+        self.process = CONTEXT.Process(target=_sender_main, args=(child, port, workers + 1), daemon=True)
         self.process.start()
 
     @classmethod

@@ -67,6 +67,11 @@ def is_loopback(address: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
+def listeners_under(root: int, *, skip_root: bool = False) -> set[tuple[str, str]]:
+    """What `listeners_of` finds held now by `root` and its descendants (`skip_root`: by its descendants alone)."""
+    return listeners_of(descendants(root) - ({root} if skip_root else set()), listening_sockets())
+
+
 def run_and_watch(command: list[str], *, skip_root: bool = False) -> tuple[set[tuple[str, str]], str]:
     """The listeners the command's processes held while it ran (`skip_root`: the depth-0 process, torchrun's agent,
     left out: its own store is torch's), and what it printed (stdout and stderr); it must succeed."""
@@ -75,8 +80,7 @@ def run_and_watch(command: list[str], *, skip_root: bool = False) -> tuple[set[t
                                    env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # fmt: skip
         seen = set()
         while process.poll() is None:
-            pids = descendants(process.pid) - ({process.pid} if skip_root else set())
-            seen |= listeners_of(pids, listening_sockets())
+            seen |= listeners_under(process.pid, skip_root=skip_root)
             time.sleep(0.1)
         log.seek(0)
         output = log.read()
@@ -93,7 +97,7 @@ def watching() -> Iterator[set[tuple[str, str]]]:
 
     def watch() -> None:
         while not done.is_set():
-            seen.update(listeners_of(descendants(os.getpid()), listening_sockets()))
+            seen.update(listeners_under(os.getpid()))
             done.wait(0.1)
 
     watcher = threading.Thread(target=watch, daemon=True)

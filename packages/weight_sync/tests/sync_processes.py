@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from lorarl.weight_sync import create_sync_group, free_port
 
-# A fork server that has imported torch once starts each group's processes in a fraction of a second, where spawn
-# imports torch again in each (~2 s of CPU: most of these tests' time). It forks before any thread or device exists.
+# A fork server that has imported torch once starts each test process in a fraction of a second, where spawn imports
+# torch again in each (~2 s of CPU: most of these tests' time). It forks before any thread or device exists.
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "lorarl.weight_sync"])
 
@@ -42,11 +42,10 @@ def run_group(
     that ended without a word (it killed itself, or crashed), as soon as its last words had a second to arrive. Any
     process still running after `deadline` seconds is killed and reported as "hung", so a test never hangs.
     """
-    ctx = CONTEXT
-    results = ctx.Queue()
+    results = CONTEXT.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, len(fns), port, timeout, results, join)) for r, fn in enumerate(fns)
+        CONTEXT.Process(target=_child, args=(fn, r, len(fns), port, timeout, results, join)) for r, fn in enumerate(fns)
     ]
     for p in procs:
         p.start()
