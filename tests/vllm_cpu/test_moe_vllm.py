@@ -76,6 +76,17 @@ def test_an_adapter_sync_of_experts_is_refused_in_one_line(trainer_setup, tmp_pa
                      "(model.lora.exclude_modules=[experts])")  # fmt: skip
 
 
+def test_routing_replay_on_vllms_cpu_build_is_refused_in_one_line(tmp_path, capsys):
+    """vLLM returns routes from its GPU model runner only (Model Runner V2, with Triton): on its CPU build replay is
+    refused before the engine starts, saying where routes come from instead."""
+    assert main(["model.path=default-moe", "rollout.engine=vllm", "algorithm.routing_replay=true",
+                 f"trainer.output_dir={tmp_path}"]) != 0  # fmt: skip
+    error = capsys.readouterr().out.strip().splitlines()[-1]
+    assert error == ("error: rollout.record_routes (algorithm.routing_replay needs it): vLLM returns the experts it "
+                     "routed to only from its GPU model runner (Model Runner V2, with Triton); its CPU build cannot. "
+                     "The HF engine records them on a CPU (rollout.engine=hf)")  # fmt: skip
+
+
 def test_the_embedded_moe_learns_with_vllm(tmp_path):
     """`trainer model.path=default-moe actor.lr=3e-4 rollout.engine=vllm`: validation accuracy rises on vLLM's CPU
     build too (measured over 120 steps: 0.48 -> 0.54, at best 0.65 by step 50); the first 60 steps here."""

@@ -4,6 +4,7 @@ lorarl's weight-transfer backend registered by its plugin; the sampling argument
 
 import types
 
+import numpy as np
 import pytest
 import torch
 import vllm
@@ -98,6 +99,23 @@ def test_completions_from_vllm_outputs_carry_the_version_vllm_recorded():
         to_completions(missing, version=0)
 
 
+def test_routes_are_asked_of_vllm_and_read_from_its_outputs():
+    """`rollout.record_routes`: vLLM's `enable_return_routed_experts`; each `CompletionOutput`'s `routed_experts`
+    (`[prompt + response - 1, layers, k]`, uint8 up to 256 experts) becomes the completion's int16 route."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput
+
+    assert EngineArgs(**engine_args(settings(record_routes=True))).enable_return_routed_experts
+    assert not EngineArgs(**engine_args(settings())).enable_return_routed_experts
+    routes = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)  # a prompt of 3, a response of 2
+    output = CompletionOutput(0, "", [5, 1], -0.3, [{5: Logprob(-0.1)}, {1: Logprob(-0.2)}], finish_reason="stop",
+                              routed_experts=routes)  # fmt: skip
+    (completion,) = to_completions([types.SimpleNamespace(outputs=[output])], version=0)
+    assert completion.routes.dtype == np.int16
+    assert np.array_equal(completion.routes, routes)
+
+
 def test_on_the_cpu_the_kv_cache_holds_a_steps_rollouts_and_no_more():
     from lorarl.trainer.engines import VllmEngineSettings
     from lorarl.trainer.engines.vllm_worker import VllmWorker, kv_cache_for
@@ -110,7 +128,8 @@ def test_on_the_cpu_the_kv_cache_holds_a_steps_rollouts_and_no_more():
     own = VllmEngineSettings()  # rollout.vllm.*, as the config defaults them
     context = types.SimpleNamespace(model_path=str(default_task.MODEL_DIR), dtype=torch.float32, seed=0,
                                     forms=("weights",), lora_rank=0, device="cpu", sequences=256,
-                                    sequence_tokens=520, inline=True, bucket_bytes=1 << 20)  # fmt: skip
+                                    sequence_tokens=520, inline=True, bucket_bytes=1 << 20,
+                                    record_routes=False)  # fmt: skip
     settings = VllmWorker.settings(own, context)
     assert (settings.max_model_len, settings.kv_cache_gb) == (32, gib)
     chosen = VllmWorker.settings(VllmEngineSettings(kv_cache_gb=3.0), context)

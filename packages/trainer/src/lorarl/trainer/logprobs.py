@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lorarl.padding import packed_position_ids, response_from_packed, response_from_padded
+from lorarl.trainer import routing
 from lorarl.trainer.head_logprobs import head_logprobs, head_replaced
 from lorarl.trainer.recompute import read_only_prefix
 
@@ -47,6 +48,14 @@ class MicroBatch:
     targets: Tensor  # [B, R] response tokens (0 past each response)
     mask: Tensor  # [B, R] bool: a response token
     prompts: SharedPrompts | None = None
+    routes: list[routing.Plan] | None = None  # a mixture's recorded routes, one plan per model call (prompts first)
+
+    def per_token(self, calls: list[Tensor]) -> Tensor:
+        """Values of each model call (`[N, S, ...]`, in the order of the calls) aligned with the response tokens:
+        `[B, R, ...]`, each at the position that predicts its token."""
+        values = calls[-1] if self.prompts is None else torch.cat([calls[0].index_select(0, self.prompts.which),
+                                                                   calls[1]], 1)  # fmt: skip
+        return self.align(values)
 
 
 def resolve_layout(layout: str, model: nn.Module) -> str:
@@ -67,10 +76,13 @@ def micro_batch(
     layout: str,
     *,
     share_prompts: bool = False,
+    routes: Sequence[Tensor] | None = None,
+    replay: bool = False,
 ) -> MicroBatch:
     """The samples (prompt + response each) as one forward's inputs in `layout` (packed or padded). `share_prompts`
     (padded): each distinct prompt is run once ahead of the responses — two forwards, whether prompts repeat or not
-    (data-parallel ranks must make the same calls)."""
+    (data-parallel ranks must make the same calls). `routes` (a mixture's): each sample's experts `[tokens, layers,
+    k]` (-1: the router's own choice), laid out as the tokens are, forced where `replay`."""
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be packed or padded, got {layout!r}")
     response_lens = torch.tensor([len(r) for r in responses])
@@ -82,15 +94,20 @@ def micro_batch(
     if layout == "padded" and share_prompts:
         distinct = {}
         which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        return _after_shared_prompts(list(distinct), which, response_lens, targets, mask, align, device)
+        micro = _after_shared_prompts(list(distinct), which, response_lens, targets, mask, align, device)
+        if routes is not None:
+            micro.routes = _shared_routes(routes, [len(p) for p in distinct], which, int(response_lens.max()), device,
+                                          replay)  # fmt: skip
+        return micro
     lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)])
     tokens = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
     if layout == "packed":
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
         inputs = {"input_ids": ids[None].to(device), "position_ids": packed_position_ids(cu_seqlens)[None].to(device)}
+        plans = None if routes is None else [routing.Plan(torch.cat(list(routes))[None].to(device), replay)]
         return MicroBatch(inputs, lambda v: response_from_packed(v[0], cu_seqlens, **align),
-                          targets.to(device), mask.to(device))  # fmt: skip
+                          targets.to(device), mask.to(device), routes=plans)  # fmt: skip
     width = int(lengths.max())
     ids = torch.zeros(len(tokens), width, dtype=torch.long)
     attention = torch.arange(width)[None, :] < lengths[:, None]
@@ -98,8 +115,34 @@ def micro_batch(
         ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
     attention = attention.to(device)
     inputs = {"input_ids": ids.to(device), "attention_mask": attention.long()}
+    plans = None if routes is None else [routing.Plan(_rows(list(routes), width, device), replay)]
     return MicroBatch(inputs, lambda v: response_from_padded(v, attention, **align), targets.to(device),
-                      mask.to(device))  # fmt: skip
+                      mask.to(device), routes=plans)  # fmt: skip
+
+
+def _rows(values: list[Tensor], width: int, device, *, left: bool = False) -> Tensor:
+    """`[len(values), width, ...]`: each of `values` (`[n_i, ...]`) in a row of its own, at its start (or end, with
+    `left` padding), -1 elsewhere."""
+    out = torch.full((len(values), width, *values[0].shape[1:]), -1, dtype=values[0].dtype)
+    for i, v in enumerate(values):
+        if left:
+            out[i, width - len(v) :] = v
+        else:
+            out[i, : len(v)] = v
+    return out.to(device)
+
+
+def _shared_routes(routes: Sequence[Tensor], prompt_lens: list[int], which: list[int], response_width: int, device,
+                   replay: bool) -> list[routing.Plan]:  # fmt: skip
+    """The plans of a shared-prompt micro-batch: each distinct prompt routed as its first sample's was (left-padded),
+    then every sample's response (right-padded)."""
+    first = {}
+    for i, u in enumerate(which):
+        first.setdefault(u, i)
+    prompts = [routes[first[u]][:length] for u, length in enumerate(prompt_lens)]
+    responses = [route[prompt_lens[u] :] for route, u in zip(routes, which, strict=True)]
+    return [routing.Plan(_rows(prompts, max(prompt_lens), device, left=True), replay),
+            routing.Plan(_rows(responses, max(1, response_width), device), replay)]  # fmt: skip
 
 
 def _after_shared_prompts(distinct: list[tuple[int, ...]], which: list[int], response_lens, targets, mask, align,
@@ -172,7 +215,8 @@ def response_logprobs(
     if not scores_from_hidden(model):  # a wrapped head, or logits changed after it: the full logits
         if micro.prompts is not None:
             raise ValueError("this model is scored from its full logits: build its micro-batches without share_prompts")
-        logits = model(**micro.inputs, use_cache=False).logits
+        with routing.active(_plan(micro, -1)):
+            logits = model(**micro.inputs, use_cache=False).logits
         log_p = torch.log_softmax(micro.align(logits)[mask].float() / temperature, -1)
         values = torch.stack([log_p.gather(1, micro.targets[mask][:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)], -1)
     else:
@@ -201,7 +245,7 @@ def _from_response_states(model: nn.Module, micro: MicroBatch, per_token: Callab
     head = model.get_output_embeddings()
     prefix, cache = None, {"use_cache": False}
     if micro.prompts is not None:
-        with head_replaced(head, lambda hidden: hidden):
+        with head_replaced(head, lambda hidden: hidden), routing.active(_plan(micro, 0)):
             out = model(**micro.prompts.inputs, use_cache=True)
         which = micro.prompts.which.to(out.logits.device)
         _select_rows(out.past_key_values, which)
@@ -214,9 +258,13 @@ def _from_response_states(model: nn.Module, micro: MicroBatch, per_token: Callab
         scores.append(per_token(micro.align(full)[micro.mask]))
         return scores[-1]  # also the model's output (FSDP hooks its backward there); a logit transform leaves ours
 
-    with head_replaced(head, forward):
+    with head_replaced(head, forward), routing.active(_plan(micro, -1)):
         model(**micro.inputs, **cache)
     return scores[0]
+
+
+def _plan(micro: MicroBatch, call: int) -> routing.Plan | None:
+    return None if micro.routes is None else micro.routes[call]
 
 
 def _select_rows(cache, which: Tensor) -> None:

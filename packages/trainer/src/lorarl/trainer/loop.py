@@ -40,6 +40,7 @@ from lorarl.trainer.models import (
 from lorarl.trainer.parallel import full_state_dict, gathered_trainable, setup_data_parallel, shard
 from lorarl.trainer.recompute import checkpoint_layers
 from lorarl.trainer.rollout import Rollouts, sampling_params
+from lorarl.trainer.routing import Routers, attach, unreplayable
 from lorarl.trainer.staleness import StaleBatches
 from lorarl.trainer.sync_kinds import AUTO, SYNC_KINDS
 from lorarl.trainer.update import ActorUpdate, to_batch
@@ -105,6 +106,7 @@ class Trainer:
             warn_slow_dtypes({"model.dtype": config.model.dtype, "rollout.dtype": r.dtype,
                               "actor.autocast": config.actor.autocast}, self.device)  # fmt: skip
         self.model = self.policy.model
+        self.routers = recorded_routers(config, self.model)  # before sharding wraps them
         layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
         if config.actor.gradient_checkpointing:
             checkpoint_layers(self.model)
@@ -128,7 +130,7 @@ class Trainer:
                     shard(self.critic.model, self.dp.mesh)
         self.sampler = data.PromptSampler(len(self.train_set), config.data.batch_size, t.seed)
         self.actor = ActorUpdate(config, self.policy, self.device, self.dp, layout=layout, share_prompts=share_prompts,
-                                 critic=self.critic)  # fmt: skip
+                                 critic=self.critic, routers=self.routers)  # fmt: skip
         self.prefetched = None  # a resumed run's next batch, generated before the checkpoint (rollout.overlap)
         self.resumed_in_flight = None  # a resumed run's batches in flight (rollout.max_staleness)
         if r.max_staleness and self.dp is not None:
@@ -163,7 +165,7 @@ class Trainer:
 
         train_started = time.perf_counter()
         with threads.busy():
-            batch = to_batch(samples, mask_truncated=a.mask_truncated)
+            batch = to_batch(samples, mask_truncated=a.mask_truncated, routers=self.routers)
             self.actor.advantages(batch)
             metrics.update(self.actor.update(step, batch))
         train_s = time.perf_counter() - train_started
@@ -299,7 +301,8 @@ class Trainer:
                                 self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, t.seed,
                                 self.sync_forms, lora_rank, r.overlap,
                                 self.config.data.batch_size * r.n,
-                                self.config.data.max_prompt_tokens + self.actor.norm_len, t.threads)  # fmt: skip
+                                self.config.data.max_prompt_tokens + self.actor.norm_len, t.threads,
+                                record_routes=self.routers is not None)  # fmt: skip
         self.engines = [start_engine(r, context, backend=t.backend, ray_address=t.ray_address)
                         for _ in range(r.max_staleness + 1)]  # fmt: skip
         self.syncs = [self._weight_sync(engine) for engine in self.engines]
@@ -380,6 +383,22 @@ class Trainer:
         self.resumed_in_flight = state.get("in_flight")
         self.console.say(f"resumed from {path} (step {state['step']})")
         return state["step"]
+
+
+def recorded_routers(config: Config, model: torch.nn.Module) -> Routers | None:
+    """The routers whose routes the engine records (`rollout.record_routes`), hooked for the trainer's side: to
+    compare their choices with the engine's, and replay those (`algorithm.routing_replay`); None where none are."""
+    r, replay = config.rollout, config.algorithm.routing_replay
+    why = unreplayable(model)
+    if replay and r.record_routes == "off":
+        why = "it replays the routes the engine records, and rollout.record_routes=off records none"
+    if why and (replay or r.record_routes == "on"):
+        raise ConfigError(f"{'algorithm.routing_replay=true' if replay else 'rollout.record_routes=on'}: {why}")
+    if why or not (replay or r.record_routes == "on" or (r.engine == "hf" and r.record_routes == "auto")):
+        return None
+    routers = Routers.of(model)
+    attach(routers)
+    return routers
 
 
 def _seed_everything(seed: int) -> None:

@@ -9,6 +9,7 @@ padded layout its shared prompts: each distinct prompt runs once and its cache s
   only, 1/n of the prompt tokens of the micro-batch;
 - a read-only prefix (`read_only_prefix`: the responses' forward): checkpointed — each call returns the prompt's
   keys and values followed by the new ones without storing them, so the replay computes what the forward did.
+A mixture's routing plan (`routing`) is kept with the layer's inputs: its recompute routes as its forward did.
 """
 
 from functools import partial
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lorarl.trainer import routing
 from lorarl.trainer.errors import TrainerError
 
 _READ_ONLY = "lorarl_read_only_prefix"  # marks a cache made by read_only_prefix
@@ -47,6 +49,9 @@ def _checkpointed(forward, *args, **kwargs):
                          for name in _CACHE_ARGUMENTS)  # fmt: skip
     if not torch.is_grad_enabled() or writes_a_cache:
         return forward(*args, **kwargs)
+    plan = routing.current()  # the replay in the backward routes as this forward does
+    if plan is not None:
+        forward = partial(routing.under, plan, forward)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -191,7 +191,8 @@ class Rollouts:
             baseline = None if baselines is None else baselines[episode.index]
             for segment in episode.segments:
                 completion = Completion(episode.index, tuple(segment.tokens), tuple(segment.logprobs),
-                                        not episode.truncated, min(segment.versions, default=version))  # fmt: skip
+                                        not episode.truncated, min(segment.versions, default=version),
+                                        segment.routes)  # fmt: skip
                 samples.append(Sample(list(segment.prompt), completion, first_group + episode.index, total,
                                       total + penalty, baseline, score, tuple(segment.mask),
                                       len(self.played) + number))  # fmt: skip

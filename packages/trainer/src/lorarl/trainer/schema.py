@@ -100,6 +100,11 @@ class RolloutSection:
                                      "the engine holding the newest weights, so an episode takes them at its next "
                                      "turn (PipelineRL); each action keeps its version; runs do not repeat "
                                      "exactly")  # fmt: skip
+    record_routes: str = option("auto", "a mixture of experts: the engine records the experts each token was routed "
+                                "to, the trainer logs how often it routes them elsewhere (rollout/route_mismatch) and "
+                                "algorithm.routing_replay replays them; auto: where it costs nothing to ask (the HF "
+                                "engine), on: also vLLM's (enable_return_routed_experts: GPUs only), off",
+                                ("auto", "on", "off"))  # fmt: skip
 
 
 @dataclass
@@ -134,6 +139,10 @@ class AlgorithmSection:
     rollout_correction_cap: float = option(2.0, "truncation cap of the rollout-correction weights", minimum=1.0)
     rollout_correction_band: list[float] = option([0.5, 2.0], "[low, high] of the ratio kept by token_mask and "
                                                   "sequence_reject")  # fmt: skip
+    routing_replay: bool = option(False, "a mixture of experts (R3): the trainer's forwards — old, reference and "
+                                  "current log-probs, gradient checkpointing's recompute — route each token to the "
+                                  "experts the engine chose (rollout.record_routes), weighted by the trainer's own "
+                                  "router")  # fmt: skip
 
 
 @dataclass

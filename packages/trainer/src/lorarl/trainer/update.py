@@ -16,6 +16,7 @@ from lorarl.trainer.models import Critic, Policy
 from lorarl.trainer.optim import Optimizer
 from lorarl.trainer.parallel import DataParallel
 from lorarl.trainer.rollout import Sample, step_seed
+from lorarl.trainer.routing import Routers, differing, route_metrics
 
 
 @dataclass
@@ -38,9 +39,11 @@ class Batch:
     advantages: torch.Tensor | None = None
     values: torch.Tensor | None = None  # the critic's, of the rollout (PPO with a critic)
     returns: torch.Tensor | None = None  # what the critic regresses on
+    routes: list[torch.Tensor] | None = None  # a mixture's: each sample's experts [tokens, MoE layers, k] (-1: none)
 
 
-def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
+def to_batch(samples: list[Sample], *, mask_truncated: bool, routers: Routers | None = None) -> Batch:
+    """The samples as tensors; with `routers`, their routes checked against the model (`sample_routes`)."""
     responses = [s.completion.token_ids for s in samples]
     lengths = torch.tensor([len(x) for x in responses])
     width = max(1, int(lengths.max()))
@@ -64,7 +67,27 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool) -> Batch:
         group=torch.tensor([s.group for s in samples]),
         baselines=None if samples[0].baseline is None else torch.tensor([s.baseline for s in samples]),
         episode=torch.tensor(episodes) if None not in episodes and len(set(episodes)) < len(episodes) else None,
+        routes=None if routers is None else sample_routes(samples, routers),
     )
+
+
+def sample_routes(samples: list[Sample], routers: Routers) -> list[torch.Tensor]:
+    """Each sample's route as the trainer's forward reads it: `[tokens, MoE layers, k]` int64, -1 for the last token
+    (no forward read it in the engine); all -1 for a sample without a response. A route that cannot apply, or none
+    where the sample has a response, is refused naming its episode."""
+    out = []
+    for i, s in enumerate(samples):
+        tokens = len(s.prompt_ids) + len(s.completion.token_ids)
+        where = f"episode {s.episode if s.episode is not None else i} of the step (prompt group {s.group})"
+        route = s.completion.routes
+        if route is None and s.completion.token_ids:
+            raise TrainerError(f"{where} has no routes: its engine recorded none (rollout.record_routes)")
+        full = torch.full((tokens, len(routers.layers), routers.top_k), -1, dtype=torch.long)
+        if route is not None:
+            routers.check(route, tokens, where)
+            full[:-1] = torch.from_numpy(route[:, routers.layers].astype("int64"))
+        out.append(full)
+    return out
 
 
 def episode_advantages(estimator: algorithms.AdvantageEstimator, batch: Batch, penalty: torch.Tensor | None,
@@ -102,9 +125,11 @@ class ActorUpdate:
     and `share_prompts` are `logprobs`' micro-batch layout, chosen before the model was sharded."""
 
     def __init__(self, config: Config, policy: Policy, device: torch.device, dp: DataParallel | None, *, layout: str,
-                 share_prompts: bool, critic: Critic | None = None) -> None:  # fmt: skip
+                 share_prompts: bool, critic: Critic | None = None,
+                 routers: Routers | None = None) -> None:  # fmt: skip
         self.config, self.policy, self.model, self.device, self.dp = config, policy, policy.model, device, dp
         self.layout, self.share_prompts, self.critic = layout, share_prompts, critic
+        self.routers = routers  # a mixture's, where the engine records routes
         algorithm = config.algorithm
         self.estimator = algorithms.ADVANTAGES[algorithm.adv_estimator]
         self.loss = algorithms.POLICY_LOSSES[algorithm.policy_loss]
@@ -158,6 +183,8 @@ class ActorUpdate:
         generator = torch.Generator().manual_seed(step_seed(self.config.trainer.seed, step))
         order = torch.randperm(len(batch.prompts), generator=generator)
         seen_old = torch.zeros_like(batch.rollout_logp)  # π_old of every sample, for the mismatch metrics
+        layers = len(self.routers.layers) if batch.routes is not None else 0
+        seen_routes = torch.zeros(2, *batch.rollout_logp.shape, layers)  # the trainer's experts not the engine's
         self.model.train()
         for epoch in range(a.ppo_epochs):
             for minibatch in torch.tensor_split(order, a.mini_batches):
@@ -174,10 +201,12 @@ class ActorUpdate:
                     share = float(batch.loss_mask[rows].sum()) / totals["total_tokens"] if micro else 0.0
                     info = {}
                     if trains_actor:
-                        loss, info, old_logp = self._loss(batch, rows, totals)
+                        loss, info, old_logp, rerouted = self._loss(batch, rows, totals)
                         (loss * weight).backward()
                         if micro and epoch == 0:
                             seen_old[rows] = old_logp.cpu()
+                            if rerouted is not None:
+                                seen_routes[:, rows] = rerouted.cpu().float()
                         info["loss"] = float(loss.detach()) / share if share else 0.0
                     if self.critic is not None:
                         loss, critic_info = self._value_loss(batch, rows, totals)
@@ -197,21 +226,28 @@ class ActorUpdate:
         if self.dp is not None:  # each rank summed its share of every mini-batch (the norms are the same on each)
             norms = {key: sums.pop(key) for key in ("grad_norm", "critic/grad_norm") if key in sums}
             sums, seen_old = {**self.dp.sum_metrics(sums), **norms}, self.dp.sum(seen_old)
+            seen_routes = self.dp.sum(seen_routes) if layers else seen_routes
         metrics = {key: value / steps for key, value in sums.items()}
         if trains_actor:
             metrics.update(algorithms.rollout_mismatch(seen_old, batch.rollout_logp, batch.response_mask))
+            if layers:
+                metrics.update(route_metrics(seen_routes[0].bool(), seen_routes[1].bool(), self.routers.layers,
+                                             seen_old, batch.rollout_logp, batch.response_mask))  # fmt: skip
         if self.critic is not None:
             metrics.update(critic_metrics(batch, self.critic_optimizer.lr))
         return metrics
 
-    def _loss(self, batch: Batch, rows: list[int], totals: dict) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    def _loss(self, batch: Batch, rows: list[int],
+              totals: dict) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """One micro-batch's loss — the policy loss (rollout-corrected), plus the KL and entropy terms configured —
-        its metrics, and the old log-probs it used."""
+        its metrics, the old log-probs it used, and (routes recorded) where its experts were not the engine's:
+        `[2, B, R, layers]`, the experts it computed with, then its routers' own choice."""
         a = self.config.algorithm
+        micro = self._micro_batch(batch, rows)
         with self.compute():
-            logp, entropy = response_logprobs(self.model, self._micro_batch(batch, rows),
-                                              temperature=self.config.rollout.temperature,
+            logp, entropy = response_logprobs(self.model, micro, temperature=self.config.rollout.temperature,
                                               entropy_grad=bool(a.entropy_coef))  # fmt: skip
+        rerouted = None if micro.routes is None else rerouted_tokens(micro)
         mask = batch.loss_mask[rows].to(self.device)
         old_logp = batch.old[rows].to(self.device) if batch.old is not None else logp.detach()
         is_weights = None
@@ -233,7 +269,7 @@ class ActorUpdate:
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algorithms.aggregate(entropy, mask, a.loss_agg_mode, **totals)
         info["entropy"] = float((entropy.detach() * mask).sum() / tokens)
-        return loss, info, old_logp
+        return loss, info, old_logp, rerouted
 
     def _kl(self, logp: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         return algorithms.kl_penalty(logp, reference, self.kl, self.kl.settings_in(self.config.algorithm))
@@ -254,8 +290,10 @@ class ActorUpdate:
         return mine + [None] * (max(map(len, shares)) - len(mine))
 
     def _micro_batch(self, batch: Batch, rows: list[int]):
+        routes = None if batch.routes is None else [batch.routes[i] for i in rows]
         return micro_batch([batch.prompts[i] for i in rows], [batch.responses[i] for i in rows], batch.width,
-                           self.device, self.layout, share_prompts=self.share_prompts)  # fmt: skip
+                           self.device, self.layout, share_prompts=self.share_prompts, routes=routes,
+                           replay=self.config.algorithm.routing_replay)  # fmt: skip
 
     def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
         """`[N, R]` log-probs of every response under the current policy (or the reference), no gradient."""
@@ -292,6 +330,14 @@ class ActorUpdate:
             if micro:
                 values[rows] = computed
         return self.dp.sum(values) if self.dp is not None else values
+
+
+def rerouted_tokens(micro: MicroBatch) -> torch.Tensor:
+    """`[2, B, R, layers]` bool, per response token and MoE layer: whether the experts at the position that predicts it
+    were not the engine's — those the forward computed with, then those its routers chose themselves."""
+    engine = micro.per_token([plan.forced for plan in micro.routes])
+    return torch.stack([differing(engine, micro.per_token([plan.used() for plan in micro.routes])),
+                        differing(engine, micro.per_token([plan.live() for plan in micro.routes]))])
 
 
 def critic_metrics(batch: Batch, lr: float) -> dict:

@@ -10,7 +10,7 @@ weight version produced it, so the trainer never trains on rollouts of stale wei
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lorarl.trainer.errors import TrainerError
@@ -64,6 +64,9 @@ class Completion:
     logprobs: tuple[float, ...]  # the engine's log-probs of those tokens (its sampling distribution)
     finished: bool  # stopped on end-of-sequence or a stop string (False: cut at max_tokens)
     version: int  # weights that produced it
+    # with `EngineContext.record_routes`: the experts of every token but the last (`routing`: int16 numpy
+    # [prompt + response - 1, layers, k]), else None
+    routes: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class EngineContext:
     sequences: int = 1  # sequences a step's rollouts generate at once (prompts × responses)
     sequence_tokens: int = 2048  # the longest of them: prompt and response, in tokens
     threads: int = 0  # trainer.threads: a fixed count of torch CPU threads per process (0: adapted to the load)
+    record_routes: bool = False  # each completion carries the experts its tokens were routed to (a mixture's)
 
 
 @dataclass(frozen=True)

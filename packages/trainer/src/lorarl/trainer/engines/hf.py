@@ -6,14 +6,16 @@ served unmerged by peft on the weights the worker holds; a factor set is merged 
 the pristine base the worker keeps.
 """
 
+import contextlib
 import functools
 import hashlib
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lorarl.trainer import cpu_attention, threads
@@ -28,6 +30,7 @@ from lorarl.trainer.engines.base import (
     Worker,
     stop_strings,
 )
+from lorarl.trainer.routing import Recorder, Routers
 from lorarl.weight_sync import Channel, Link, SyncStats, Update, copy_into, open_channel, save_adapter
 from lorarl.weight_sync.factors import FactorMerger, read_factor_set
 
@@ -45,6 +48,7 @@ class HFSettings:
     timeout: float = 600.0
     sync_backend: str = "gloo"
     sync_ranks: int = 1
+    record_routes: bool = False  # completions carry their routes (a mixture of experts)
 
 
 class HFWorker(Worker):
@@ -58,7 +62,8 @@ class HFWorker(Worker):
         # generating on the CPU beside the training (rollout.overlap): one core, and the trainer takes the others
         threads = 1 if context.overlap and context.device == "cpu" else context.threads or None
         return HFSettings(context.model_path, context.dtype, context.device, context.eos_token_id,
-                          context.pad_token_id, own.batch_size, threads, context.inline)  # fmt: skip
+                          context.pad_token_id, own.batch_size, threads, context.inline,
+                          record_routes=context.record_routes)  # fmt: skip
 
     def __init__(self, settings: HFSettings):
         from transformers import AutoModelForCausalLM
@@ -206,6 +211,7 @@ def _generate(model, settings: HFSettings, version: int, prompts: list[list[int]
     own_streams = not isinstance(sampling, SamplingParams)
     completions = []
     per_batch = max(1, settings.batch_size // n)
+    routers = Routers.of(model) if settings.record_routes else None
     for start in range(0, len(prompts), per_batch):
         chunk, params = prompts[start : start + per_batch], each[start : start + per_batch]
         ids, mask = left_padded(chunk, pad, device)
@@ -215,17 +221,39 @@ def _generate(model, settings: HFSettings, version: int, prompts: list[list[int]
             stop = StopStrings(tokenizer, first.stop, candidates)
         limits = [p.max_tokens for p in params for _ in range(n)]
         seeds = [p.seed + 7919 * k for p in params for k in range(n)] if own_streams else None
-        tokens, logp = decode(model, ids, mask, n=n, max_tokens=max(limits), temperature=first.temperature,
-                              top_p=first.top_p, eos=eos, pad=pad, generator=generator, stop=stop,
-                              min_tokens=first.min_tokens, seeds=seeds,
-                              limits=limits if own_streams else None)  # fmt: skip
+        recorder = Recorder(routers) if routers is not None else None
+        with recorder.recording() if recorder is not None else contextlib.nullcontext():
+            tokens, logp = decode(model, ids, mask, n=n, max_tokens=max(limits), temperature=first.temperature,
+                                  top_p=first.top_p, eos=eos, pad=pad, generator=generator, stop=stop,
+                                  min_tokens=first.min_tokens, seeds=seeds,
+                                  limits=limits if own_streams else None)  # fmt: skip
         stopped = stop.ends if stop is not None else {}  # row -> its length with the stop string
+        route = None if recorder is None else decoded_routes(recorder, mask, n)
         for row, (row_tokens, row_logp) in enumerate(zip(tokens.tolist(), logp.tolist(), strict=True)):
             row_tokens = row_tokens[: limits[row]]  # what follows a row's own limit is padding
             length, finished = response_end(row_tokens, eos, stopped.get(row))
             completions.append(Completion(indices[start + row // n], tuple(row_tokens[:length]),
-                                          tuple(row_logp[:length]), finished, version))  # fmt: skip
+                                          tuple(row_logp[:length]), finished, version,
+                                          None if route is None else route(row, length)))  # fmt: skip
     return completions
+
+
+def decoded_routes(recorder: Recorder, mask: torch.Tensor, n: int) -> Callable[[int, int], np.ndarray]:
+    """What gives the route of a decoded row (of `n` per prompt) of a given length: its prompt's (the prefill, the
+    first call, of the left-padded prompts under `mask`), then one row per decode step for each token it fed (all
+    but the last)."""
+    prompts, width = mask.shape
+    prefill = recorder.call(0).view(prompts, width, recorder.routers.num_layers, -1)
+    steps = torch.stack([recorder.call(c) for c in range(1, len(recorder.calls))]) if len(recorder.calls) > 1 else None
+    kept = mask.bool().cpu()
+
+    def route(row: int, length: int) -> np.ndarray:
+        prompt = prefill[row // n][kept[row // n]]
+        if length > 1:
+            prompt = torch.cat([prompt, steps[: length - 1, row]])
+        return prompt.numpy()
+
+    return route
 
 
 @functools.lru_cache(maxsize=16)

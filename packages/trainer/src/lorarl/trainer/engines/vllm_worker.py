@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from lorarl.trainer.context import model_positions
@@ -45,6 +46,7 @@ from lorarl.trainer.engines.base import (
     SamplingParams,
     Worker,
 )
+from lorarl.trainer.errors import TrainerError
 from lorarl.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, Update
 from lorarl.weight_sync.vllm import (
     BACKEND,
@@ -76,6 +78,7 @@ class VllmSettings:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # inline, tensor-parallel: the CUDA IPC buckets' size
     keeps_weights_asleep: bool = True  # sleep level 1 (weights kept in host memory), not 2 (freed)
     max_loras: int = 1  # adapters in one batch (a run serves one; `trainer serve` one per run's snapshot)
+    record_routes: bool = False  # completions carry their routes (vLLM's enable_return_routed_experts)
 
     @property
     def on_gpu(self) -> bool:
@@ -119,6 +122,8 @@ def engine_args(settings: VllmSettings) -> dict:
         args.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     if settings.inline and settings.on_gpu:
         args["enable_sleep_mode"] = True
+    if settings.record_routes:  # (with prefix caching, vLLM's default: a cached block's routes are kept with it)
+        args["enable_return_routed_experts"] = True
     return args
 
 
@@ -155,8 +160,10 @@ def to_completions(outputs: Sequence, version: int) -> list[Completion]:
             if sample.logprobs is None or len(sample.logprobs) != len(tokens):
                 raise ValueError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0 or more)")
             logprobs = tuple(float(step[token].logprob) for step, token in zip(sample.logprobs, tokens, strict=True))
+            routes = getattr(sample, "routed_experts", None)  # [prompt + response - 1, layers, k], uint8 or uint16
             completions.append(Completion(index, tokens, logprobs, sample.finish_reason == "stop",
-                                          recorded_version(sample, version)))  # fmt: skip
+                                          recorded_version(sample, version),
+                                          None if routes is None else np.asarray(routes).astype(np.int16)))  # fmt: skip
     return completions
 
 
@@ -259,11 +266,16 @@ class VllmWorker(Worker):
             max_model_len, kv_cache_gb = kv_cache_for(context.model_path, context.dtype, context.sequences,
                                                       max_model_len or context.sequence_tokens)  # fmt: skip
         lora_rank = context.lora_rank if "adapter" in context.forms else None
+        if context.record_routes and not context.device.startswith("cuda"):
+            raise TrainerError("rollout.record_routes (algorithm.routing_replay needs it): vLLM returns the experts it routed to only from its GPU model "
+                               "runner (Model Runner V2, with Triton); its CPU build cannot. The HF engine records "
+                               "them on a CPU (rollout.engine=hf)")  # fmt: skip
         return VllmSettings(context.model_path, context.dtype, own.tensor_parallel_size, own.gpu_memory_utilization,
                             max_model_len, context.seed, lora_rank, own.devices, device=context.device,
                             kv_cache_gb=kv_cache_gb or 2.0, enforce_eager=own.enforce_eager, inline=context.inline,
                             bucket_bytes=context.bucket_bytes,
-                            keeps_weights_asleep=set(context.forms) != {"weights"})  # fmt: skip
+                            keeps_weights_asleep=set(context.forms) != {"weights"},
+                            record_routes=context.record_routes)  # fmt: skip
 
     @classmethod
     def needs_own_process(cls, own: VllmEngineSettings) -> bool:

@@ -42,15 +42,19 @@ class Segment:
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weights of each action in it
+    # the experts of its tokens (`routing`), from its last action's forwards: their prefill read the whole context
+    # (the prompt, earlier actions, the environment's tokens), their decode steps the action's tokens
+    routes: object = None
 
-    def add(self, tokens, logprobs=None, version: int | None = None) -> None:
-        """Append sampled `tokens` with the engine's `logprobs` and weight `version`, or (without) tokens the
-        environment appended."""
+    def add(self, tokens, logprobs=None, version: int | None = None, routes=None) -> None:
+        """Append sampled `tokens` with the engine's `logprobs`, weight `version` and `routes` (of the context and
+        the tokens), or (without) tokens the environment appended."""
         self.tokens += tokens
         self.mask += [logprobs is not None] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
         if version is not None:
             self.versions.append(version)
+            self.routes = None if routes is None else routes[: len(self.prompt) + len(self.tokens) - 1]
 
 
 @dataclass
@@ -228,7 +232,7 @@ class EpisodeRunner:
         finished = completion.finished and not cut
         eos = finished and tokens[-1] == self.eos
         action = Action(tuple(tokens), self.tokenizer.decode(list(tokens)), eos, finished and not eos, tuple(logprobs))
-        episode.segments[-1].add(tokens, logprobs, completion.version)
+        episode.segments[-1].add(tokens, logprobs, completion.version, completion.routes)
         episode.actions.append(action)
         episode.context = episode.context + action.tokens
         truncation = ("" if finished else "budget" if cut or left <= len(tokens)
