@@ -186,6 +186,23 @@ def stale_learning(rows: list[dict]) -> str:
                      f"{r['target_accuracy']:.3f}), reached at steps {r['reached_step']}" for r in rows)  # fmt: skip
 
 
+def routing_replay(rows: list[dict]) -> str:
+    parts = []
+    mismatch = [r for r in rows if r["part"] == "mismatch" and r["engine_dtype"] == "bfloat16"]
+    for off, on in zip(mismatch[::2], mismatch[1::2], strict=True):
+        same = "abs_logp_diff_on_tokens_rerouted_without_replay"
+        parts.append(f"{off['model']} (bf16 engine): {off['rollout/route_mismatch']:.1%} of tokens rerouted, "
+                     f"|Δ log p| on them {off[same]:.4f} -> {on[same]:.4f} with replay "
+                     f"({on[same] / off[same]:.2f}x; every token {on['rollout/abs_logp_diff']:.4f})")  # fmt: skip
+    learning = {r["replay"]: r for r in rows if r["part"] == "learning"}
+    if learning:
+        parts.append("; ".join(f"{'with' if replay else 'without'} replay: final accuracy "
+                               f"{spread(r['final_accuracy'], digits=3)} (mean {r['mean_final_accuracy']:.3f})"
+                               for replay, r in learning.items()))  # fmt: skip
+    parts += [f"step {r['side']}: {r['ratio_to_off']:.3f}x routes off" for r in rows if r["part"] == "overhead"]
+    return "; ".join(parts)
+
+
 def verifiers_v1_overhead(rows: list[dict]) -> str:
     return "; ".join(f"{r['episodes']} episodes at once: verifiers' own loop {r['verifiers_s_per_episode']:.2f} s an "
                      f"episode, lorarl {r['lorarl_s_per_episode']:.2f} s (+{r['added_s_per_episode']:.3f} s, "
@@ -213,6 +230,7 @@ BENCHMARKS: dict[str, tuple[Path, Callable[[list[dict]], str]]] = {
     "env_latency": (ROOT / "benchmarks/results/env_latency.jsonl", env_latency),
     "agent_latency": (ROOT / "benchmarks/results/agent_latency.jsonl", agent_latency),
     "stale_learning": (ROOT / "benchmarks/results/stale_learning.jsonl", stale_learning),
+    "routing_replay": (ROOT / "benchmarks/results/routing_replay.jsonl", routing_replay),
     "verifiers_v1_overhead": (ROOT / "benchmarks/results/verifiers_v1_overhead.jsonl", verifiers_v1_overhead),
     "gpu_check": (ROOT / "benchmarks/results/gpu_check.jsonl", gpu_check),
     "merge_throughput": (ROOT / "packages/lora_merge/benchmarks/results/merge_throughput.jsonl", merge_throughput),

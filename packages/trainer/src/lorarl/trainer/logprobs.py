@@ -122,13 +122,15 @@ def micro_batch(
 
 def _rows(values: list[Tensor], width: int, device, *, left: bool = False) -> Tensor:
     """`[len(values), width, ...]`: each of `values` (`[n_i, ...]`) in a row of its own, at its start (or end, with
-    `left` padding), -1 elsewhere."""
+    `left` padding), -1 elsewhere (one scatter, not a copy per row)."""
+    lengths = torch.tensor([len(v) for v in values])
+    rows = torch.repeat_interleave(torch.arange(len(values)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    columns = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+    if left:
+        columns += torch.repeat_interleave(width - lengths, lengths)
     out = torch.full((len(values), width, *values[0].shape[1:]), -1, dtype=values[0].dtype)
-    for i, v in enumerate(values):
-        if left:
-            out[i, width - len(v) :] = v
-        else:
-            out[i, : len(v)] = v
+    out[rows, columns] = torch.cat(values)
     return out.to(device)
 
 

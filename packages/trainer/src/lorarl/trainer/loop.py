@@ -106,7 +106,7 @@ class Trainer:
             warn_slow_dtypes({"model.dtype": config.model.dtype, "rollout.dtype": r.dtype,
                               "actor.autocast": config.actor.autocast}, self.device)  # fmt: skip
         self.model = self.policy.model
-        self.routers = recorded_routers(config, self.model)  # before sharding wraps them
+        self.routers = recorded_routers(config, self.policy)  # before sharding wraps them
         layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
         if config.actor.gradient_checkpointing:
             checkpoint_layers(self.model)
@@ -385,19 +385,22 @@ class Trainer:
         return state["step"]
 
 
-def recorded_routers(config: Config, model: torch.nn.Module) -> Routers | None:
-    """The routers whose routes the engine records (`rollout.record_routes`), hooked for the trainer's side: to
-    compare their choices with the engine's, and replay those (`algorithm.routing_replay`); None where none are."""
-    r, replay = config.rollout, config.algorithm.routing_replay
+def recorded_routers(config: Config, policy: Policy) -> Routers | None:
+    """The policy's routers whose routes the engine records (`rollout.record_routes`), hooked for the trainer's side
+    (and those of a full fine-tune's frozen reference): to compare their choices with the engine's, and replay those
+    (`algorithm.routing_replay`); None where none are."""
+    r, replay, model = config.rollout, config.algorithm.routing_replay, policy.model
     why = unreplayable(model)
-    if replay and r.record_routes == "off":
-        why = "it replays the routes the engine records, and rollout.record_routes=off records none"
-    if why and (replay or r.record_routes == "on"):
-        raise ConfigError(f"{'algorithm.routing_replay=true' if replay else 'rollout.record_routes=on'}: {why}")
-    if why or not (replay or r.record_routes == "on" or (r.engine == "hf" and r.record_routes == "auto")):
+    if replay and r.record_routes == "never":
+        why = "it replays the routes the engine records, and rollout.record_routes=never records none"
+    if why and (replay or r.record_routes == "always"):
+        raise ConfigError(f"{'algorithm.routing_replay=true' if replay else 'rollout.record_routes=always'}: {why}")
+    if why or not (replay or r.record_routes == "always" or (r.engine == "hf" and r.record_routes == "auto")):
         return None
     routers = Routers.of(model)
     attach(routers)
+    if policy.frozen_reference is not None:
+        attach(Routers.of(policy.frozen_reference))
     return routers
 
 

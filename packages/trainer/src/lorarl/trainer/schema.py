@@ -103,8 +103,8 @@ class RolloutSection:
     record_routes: str = option("auto", "a mixture of experts: the engine records the experts each token was routed "
                                 "to, the trainer logs how often it routes them elsewhere (rollout/route_mismatch) and "
                                 "algorithm.routing_replay replays them; auto: where it costs nothing to ask (the HF "
-                                "engine), on: also vLLM's (enable_return_routed_experts: GPUs only), off",
-                                ("auto", "on", "off"))  # fmt: skip
+                                "engine); always: vLLM's too (enable_return_routed_experts: GPUs only); never",
+                                ("auto", "always", "never"))  # fmt: skip
 
 
 @dataclass

@@ -5,6 +5,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lorarl.trainer import algorithms
@@ -74,20 +75,29 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool, routers: Routers | 
 def sample_routes(samples: list[Sample], routers: Routers) -> list[torch.Tensor]:
     """Each sample's route as the trainer's forward reads it: `[tokens, MoE layers, k]` int64, -1 for the last token
     (no forward read it in the engine); all -1 for a sample without a response. A route that cannot apply, or none
-    where the sample has a response, is refused naming its episode."""
-    out = []
-    for i, s in enumerate(samples):
-        tokens = len(s.prompt_ids) + len(s.completion.token_ids)
-        where = f"episode {s.episode if s.episode is not None else i} of the step (prompt group {s.group})"
+    where the sample has a response, is refused naming its episode (checked all at once, then one by one)."""
+    lengths = [len(s.prompt_ids) + len(s.completion.token_ids) for s in samples]
+    wheres = [f"episode {s.episode if s.episode is not None else i} of the step (prompt group {s.group})"
+              for i, s in enumerate(samples)]  # fmt: skip
+    full = np.full((sum(lengths), len(routers.layers), routers.top_k), -1, dtype=np.int64)
+    recorded = np.zeros(len(full), dtype=bool)
+    start = 0
+    for s, tokens, where in zip(samples, lengths, wheres, strict=True):
         route = s.completion.routes
         if route is None and s.completion.token_ids:
             raise TrainerError(f"{where} has no routes: its engine recorded none (rollout.record_routes)")
-        full = torch.full((tokens, len(routers.layers), routers.top_k), -1, dtype=torch.long)
         if route is not None:
-            routers.check(route, tokens, where)
-            full[:-1] = torch.from_numpy(route[:, routers.layers].astype("int64"))
-        out.append(full)
-    return out
+            if route.shape != (max(tokens - 1, 0), routers.num_layers, routers.top_k):
+                routers.check(route, tokens, where)
+            full[start : start + tokens - 1] = route[:, routers.layers]
+            recorded[start : start + tokens - 1] = True
+        start += tokens
+    ids = full[recorded]
+    if ids.size and (ids.min() < 0 or ids.max() >= routers.experts):
+        for s, tokens, where in zip(samples, lengths, wheres, strict=True):
+            if s.completion.routes is not None:
+                routers.check(s.completion.routes, tokens, where)
+    return list(torch.from_numpy(full).split(lengths))
 
 
 def episode_advantages(estimator: algorithms.AdvantageEstimator, batch: Batch, penalty: torch.Tensor | None,

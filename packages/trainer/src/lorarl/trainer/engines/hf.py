@@ -243,15 +243,14 @@ def decoded_routes(recorder: Recorder, mask: torch.Tensor, n: int) -> Callable[[
     first call, of the left-padded prompts under `mask`), then one row per decode step for each token it fed (all
     but the last)."""
     prompts, width = mask.shape
-    prefill = recorder.call(0).view(prompts, width, recorder.routers.num_layers, -1)
-    steps = torch.stack([recorder.call(c) for c in range(1, len(recorder.calls))]) if len(recorder.calls) > 1 else None
-    kept = mask.bool().cpu()
+    prefill = recorder.call(0).view(prompts, width, recorder.routers.num_layers, -1).numpy()
+    calls = range(1, len(recorder.calls))
+    steps = np.stack([recorder.call(c).numpy() for c in calls]) if calls else None  # [steps, rows, layers, k]
+    kept = [prefill[p][mask[p].bool().cpu().numpy()] for p in range(prompts)]
 
     def route(row: int, length: int) -> np.ndarray:
-        prompt = prefill[row // n][kept[row // n]]
-        if length > 1:
-            prompt = torch.cat([prompt, steps[: length - 1, row]])
-        return prompt.numpy()
+        prompt = kept[row // n]
+        return np.concatenate([prompt, steps[: length - 1, row]]) if length > 1 else prompt.copy()
 
     return route
 

@@ -267,9 +267,9 @@ class VllmWorker(Worker):
                                                       max_model_len or context.sequence_tokens)  # fmt: skip
         lora_rank = context.lora_rank if "adapter" in context.forms else None
         if context.record_routes and not context.device.startswith("cuda"):
-            raise TrainerError("rollout.record_routes (algorithm.routing_replay needs it): vLLM returns the experts it routed to only from its GPU model "
-                               "runner (Model Runner V2, with Triton); its CPU build cannot. The HF engine records "
-                               "them on a CPU (rollout.engine=hf)")  # fmt: skip
+            raise TrainerError("rollout.record_routes (algorithm.routing_replay needs it): vLLM returns the experts "
+                               "it routed to only from its GPU model runner (Model Runner V2, with Triton); its CPU "
+                               "build cannot. The HF engine records them on a CPU (rollout.engine=hf)")  # fmt: skip
         return VllmSettings(context.model_path, context.dtype, own.tensor_parallel_size, own.gpu_memory_utilization,
                             max_model_len, context.seed, lora_rank, own.devices, device=context.device,
                             kv_cache_gb=kv_cache_gb or 2.0, enforce_eager=own.enforce_eager, inline=context.inline,
