@@ -12,8 +12,8 @@ rollout engine did, what that does to the log-probs, whether replay learns as we
 - `learning`: `trainer model.path=default-moe actor.lr=3e-4 rollout.dtype=bfloat16` for `--steps` (120), `--seeds`
   (1,2,3), without and with `algorithm.routing_replay=true`, the sides interleaved: validation accuracy at the end.
 - `overhead`: the same job with the engine in fp32 (replay then changes nothing in the run: the same steps), 40 steps,
-  3 runs a side interleaved: routes off (`rollout.record_routes=never`), recorded and compared (the default), replayed;
-  each side's median `timing/step_s` and its ratio to routes off.
+  `--rounds` (3) runs a side interleaved: routes off (`rollout.record_routes=never`), recorded and compared (the
+  default), replayed; each side's median `timing/step_s` and its ratio to routes off.
 
     uv run python benchmarks/routing_replay.py [--parts mismatch,learning,overhead] [--quick]
         # then: scripts/results.py record routing_replay
@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--parts", default="mismatch,learning,overhead", help="which parts, comma-separated")
     parser.add_argument("--seeds", default="1,2,3", help="learning: trainer.seed values, comma-separated")
     parser.add_argument("--steps", type=int, default=120, help="learning: training steps per run")
+    parser.add_argument("--rounds", type=int, default=3, help="overhead: runs a side")
     parser.add_argument("--quick", action="store_true", help="8 prompts; one seed of 20 steps; one overhead round")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -176,7 +177,7 @@ def main() -> None:
         if "learning" in parts:
             emit(learning(seeds, 20 if args.quick else args.steps, workdir))
         if "overhead" in parts:
-            emit(overhead(1 if args.quick else 3, 10 if args.quick else 40, workdir))
+            emit(overhead(1 if args.quick else args.rounds, 10 if args.quick else 40, workdir))
 
 
 def emit(rows: list[dict]) -> None:

@@ -106,7 +106,7 @@ class Trainer:
             warn_slow_dtypes({"model.dtype": config.model.dtype, "rollout.dtype": r.dtype,
                               "actor.autocast": config.actor.autocast}, self.device)  # fmt: skip
         self.model = self.policy.model
-        self.routers = recorded_routers(config, self.policy)  # before sharding wraps them
+        self.routers = recorded_routers(config, self.policy, self.critic)  # before sharding wraps them
         layout = resolve_layout(config.actor.layout, self.model)  # before sharding renames the classes
         if config.actor.gradient_checkpointing:
             checkpoint_layers(self.model)
@@ -385,10 +385,10 @@ class Trainer:
         return state["step"]
 
 
-def recorded_routers(config: Config, policy: Policy) -> Routers | None:
+def recorded_routers(config: Config, policy: Policy, critic: Critic | None) -> Routers | None:
     """The policy's routers whose routes the engine records (`rollout.record_routes`), hooked for the trainer's side
-    (and those of a full fine-tune's frozen reference): to compare their choices with the engine's, and replay those
-    (`algorithm.routing_replay`); None where none are."""
+    (and those of the copies a full fine-tune keeps: its frozen reference, a critic's own base): to compare their
+    choices with the engine's, and replay those (`algorithm.routing_replay`); None where none are."""
     r, replay, model = config.rollout, config.algorithm.routing_replay, policy.model
     why = unreplayable(model)
     if replay and r.record_routes == "never":
@@ -399,8 +399,9 @@ def recorded_routers(config: Config, policy: Policy) -> Routers | None:
         return None
     routers = Routers.of(model)
     attach(routers)
-    if policy.frozen_reference is not None:
-        attach(Routers.of(policy.frozen_reference))
+    copies = [policy.frozen_reference, None if critic is None or critic.shares_base else critic.model]
+    for copy in filter(None, copies):
+        attach(Routers.of(copy))
     return routers
 
 
