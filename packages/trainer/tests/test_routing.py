@@ -29,14 +29,19 @@ MOE = default_task.EMBEDDED["default-moe"]
 
 def tiny_mixture(kind: str, layers: int = 2, **kwargs):
     """A random mixture of each router kind replay covers: softmax over all experts, renormalised (Qwen3-MoE,
-    Mixtral) or not (Qwen2-MoE), and gpt-oss's softmax over the chosen experts' logits."""
+    Qwen3-Next, Qwen3.5-MoE, Mixtral) or not (Qwen2-MoE, OLMoE), and gpt-oss's softmax over the chosen experts'
+    logits."""
     torch.manual_seed(0)
     shape = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts_per_tok": 2}  # fmt: skip
     qwen = {"num_experts": 8, "moe_intermediate_size": 16}
+    shared = {**qwen, "shared_expert_intermediate_size": 16, "layer_types": ["full_attention"] * layers}
     config = {
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**shape, **qwen, norm_topk_prob=True),
         "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**shape, **qwen, shared_expert_intermediate_size=16),
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(**shape, **shared),
+        "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**shape, **shared),
+        "olmoe": lambda: transformers.OlmoeConfig(**shape, num_experts=8, eos_token_id=1, pad_token_id=0),
         "mixtral": lambda: transformers.MixtralConfig(**shape, num_local_experts=8),
         "gpt_oss": lambda: transformers.GptOssConfig(**shape, num_local_experts=8, layer_types=["full_attention"] * 2),
     }[kind]()
@@ -47,7 +52,7 @@ def tiny_mixture(kind: str, layers: int = 2, **kwargs):
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "olmoe", "mixtral", "gpt_oss"])
 def test_replaying_the_routers_own_choice_changes_nothing(kind):
     """Forced to the experts the routers choose themselves, the forward and its gradients are bit-identical to the
     plain ones: replay weighs the experts as each router kind does."""
