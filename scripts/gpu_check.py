@@ -241,7 +241,10 @@ def hf_engine(ctx: Context) -> dict:
     from lorarl.trainer.engines.hf import checksum
 
     figures = {}
-    for worker, sync in itertools.product(("inline", "process"), ("merged", "factors")):
+    placements = itertools.product(("inline", "process"), ("merged", "factors"))
+    if ctx.smoke:  # each placement and each sync once: the code the full product runs
+        placements = [("inline", "merged"), ("process", "factors")]
+    for worker, sync in placements:
         # factors: the engine merges them with the trainer's kernel (Triton on a GPU) from its base copy
         trainer = default_trainer(ctx, f"hf-{sync}", rollout__worker=worker, rollout__sync=sync)
         trainer.start_engine()
