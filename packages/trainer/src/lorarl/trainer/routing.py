@@ -3,8 +3,8 @@ choice (`rollout/route_mismatch`), and replayed in the trainer's forwards (`algo
 2510.11370).
 
 A route is an int16 array `[tokens - 1, layers, k]`, as vLLM returns it (`enable_return_routed_experts`): row i holds
-the experts of the token at position i of prompt + response, for every decoder layer (-1 in a layer without a router);
-the last token has no row, as no forward reads it.
+the experts of the token at position i of prompt + response, for every decoder layer (a layer without a router holds
+-1, 0 from vLLM, and is never read); the last token has no row, as no forward reads it.
 
 Why replay: the engine and the trainer compute the router's logits with other kernels, dtypes and batch shapes, and a
 near tie flips a token's experts; the flips compound over the layers, and the trainer scores a token through experts
