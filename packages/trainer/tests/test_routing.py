@@ -316,7 +316,7 @@ def test_routes_travel_through_episodes_and_staleness_and_replay_in_training(tmp
 
 def test_without_replay_the_mismatch_is_measured_and_a_dense_model_refuses_replay(tmp_path, capsys):
     """Without replay the routes the trainer computes with are its routers' own: the mismatch is theirs. Replay on a
-    dense model is refused in one line."""
+    dense model, or without routes recorded, is refused in one line."""
     records = run(tmp_path, "trainer.steps=2", "rollout.dtype=bfloat16")
     steps = [r for r in records if "rollout/route_mismatch" in r]
     assert all(r["rollout/route_mismatch"] == r["rollout/route_mismatch_live"] for r in steps)
@@ -325,3 +325,8 @@ def test_without_replay_the_mismatch_is_measured_and_a_dense_model_refuses_repla
                  f"trainer.output_dir={tmp_path / 'dense'}"]) != 0  # fmt: skip
     said = capsys.readouterr().out.strip().splitlines()
     assert said[-1] == "error: algorithm.routing_replay=true: Qwen2ForCausalLM is not a mixture of experts", said
+    assert main(["model.path=default-moe", "algorithm.routing_replay=true", "rollout.record_routes=never",
+                 f"trainer.output_dir={tmp_path / 'never'}"]) != 0  # fmt: skip
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[-1] == ("error: algorithm.routing_replay=true: it replays the routes the engine records, and "
+                        "rollout.record_routes=never records none"), said
