@@ -114,12 +114,15 @@ def unreplayable(model: nn.Module) -> str | None:
 
 @dataclass
 class Plan:
-    """One model call's routes: `forced` `[N, S, layers, k]` int64 per position of the call's `[N, S]` inputs, for the
+    """One model call's routes: `forced` `[N, S, layers, k]` per position of the call's `[N, S]` inputs, for the
     routers in order (-1: the router's own choice); what each router chose is filled in as the call runs."""
 
     forced: Tensor
     replay: bool
     chosen: dict[int, Tensor] = field(default_factory=dict)  # router j -> its own choice [N * S, k]
+
+    def __post_init__(self):
+        self.forced = self.forced.long()  # the routers' own ids' dtype (routes travel narrower)
 
     def live(self) -> Tensor:
         """`[N, S, layers, k]`: the routers' own choices in this call."""

@@ -40,7 +40,7 @@ class Batch:
     advantages: torch.Tensor | None = None
     values: torch.Tensor | None = None  # the critic's, of the rollout (PPO with a critic)
     returns: torch.Tensor | None = None  # what the critic regresses on
-    routes: list[torch.Tensor] | None = None  # a mixture's: each sample's experts [tokens, MoE layers, k] (-1: none)
+    routes: list[torch.Tensor] | None = None  # a mixture's: each sample's experts, int16 [tokens, MoE layers, k]
 
 
 def to_batch(samples: list[Sample], *, mask_truncated: bool, routers: Routers | None = None) -> Batch:
@@ -73,13 +73,14 @@ def to_batch(samples: list[Sample], *, mask_truncated: bool, routers: Routers | 
 
 
 def sample_routes(samples: list[Sample], routers: Routers) -> list[torch.Tensor]:
-    """Each sample's route as the trainer's forward reads it: `[tokens, MoE layers, k]` int64, -1 for the last token
+    """Each sample's route as the trainer's forward reads it: `[tokens, MoE layers, k]` int16 (a micro-batch widens its
+    own: a step's routes of Qwen3-30B-A3B take 768 bytes a token so), -1 for the last token
     (no forward read it in the engine); all -1 for a sample without a response. A route that cannot apply, or none
     where the sample has a response, is refused naming its episode (checked all at once, then one by one)."""
     lengths = [len(s.prompt_ids) + len(s.completion.token_ids) for s in samples]
     wheres = [f"episode {s.episode if s.episode is not None else i} of the step (prompt group {s.group})"
               for i, s in enumerate(samples)]  # fmt: skip
-    full = np.full((sum(lengths), len(routers.layers), routers.top_k), -1, dtype=np.int64)
+    full = np.full((sum(lengths), len(routers.layers), routers.top_k), -1, dtype=np.int16)
     recorded = np.zeros(len(full), dtype=bool)
     start = 0
     for s, tokens, where in zip(samples, lengths, wheres, strict=True):
