@@ -81,9 +81,13 @@ class Routers:
         layers = sorted(found)
         return cls([found[i] for i in layers], layers, config.num_hidden_layers, first.num_experts, first.top_k)
 
+    def shape(self, tokens: int) -> tuple[int, int, int]:
+        """The shape of a route of `tokens` tokens recorded on this model."""
+        return max(tokens - 1, 0), self.num_layers, self.top_k
+
     def check(self, route: np.ndarray, tokens: int, where: str) -> None:
         """Refuses, in one line naming `where`, a route that cannot apply to this model and these `tokens`."""
-        expected = (max(tokens - 1, 0), self.num_layers, self.top_k)
+        expected = self.shape(tokens)
         if route.shape != expected:
             raise TrainerError(f"the routes of {where} have shape {tuple(route.shape)}, expected {expected} (tokens - "
                                "1, the model's decoder layers, experts per token): recorded on another model, or cut")

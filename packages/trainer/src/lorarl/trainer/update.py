@@ -88,7 +88,7 @@ def sample_routes(samples: list[Sample], routers: Routers) -> list[torch.Tensor]
         if route is None and s.completion.token_ids:
             raise TrainerError(f"{where} has no routes: its engine recorded none (rollout.record_routes)")
         if route is not None:
-            if route.shape != (max(tokens - 1, 0), routers.num_layers, routers.top_k):
+            if route.shape != routers.shape(tokens):
                 routers.check(route, tokens, where)
             full[start : start + tokens - 1] = route[:, routers.layers]
             recorded[start : start + tokens - 1] = True
@@ -212,12 +212,12 @@ class ActorUpdate:
                     share = float(batch.loss_mask[rows].sum()) / totals["total_tokens"] if micro else 0.0
                     info = {}
                     if trains_actor:
-                        loss, info, old_logp, rerouted = self._loss(batch, rows, totals)
+                        loss, info, old_logp, forward = self._loss(batch, rows, totals)
                         (loss * weight).backward()
                         if micro and epoch == 0:
                             seen_old[rows] = old_logp.cpu()
-                            if rerouted is not None:
-                                seen_routes[:, rows] = rerouted.cpu().float()
+                            if forward.routes is not None:
+                                seen_routes[:, rows] = rerouted_tokens(forward).cpu().float()
                         info["loss"] = float(loss.detach()) / share if share else 0.0
                     if self.critic is not None:
                         loss, critic_info = self._value_loss(batch, rows, totals)
@@ -249,16 +249,15 @@ class ActorUpdate:
         return metrics
 
     def _loss(self, batch: Batch, rows: list[int],
-              totals: dict) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+              totals: dict) -> tuple[torch.Tensor, dict, torch.Tensor, MicroBatch]:  # fmt: skip
         """One micro-batch's loss — the policy loss (rollout-corrected), plus the KL and entropy terms configured —
-        its metrics, the old log-probs it used, and (routes recorded) where its experts were not the engine's:
-        `[2, B, R, layers]`, the experts it computed with, then its routers' own choice."""
+        its metrics, the old log-probs it used, and the micro-batch it ran (with routes recorded, what its routers
+        chose: `rerouted_tokens`)."""
         a = self.config.algorithm
         micro = self._micro_batch(batch, rows)
         with self.compute():
             logp, entropy = response_logprobs(self.model, micro, temperature=self.config.rollout.temperature,
                                               entropy_grad=bool(a.entropy_coef))  # fmt: skip
-        rerouted = None if micro.routes is None else rerouted_tokens(micro)
         mask = batch.loss_mask[rows].to(self.device)
         old_logp = batch.old[rows].to(self.device) if batch.old is not None else logp.detach()
         is_weights = None
@@ -280,7 +279,7 @@ class ActorUpdate:
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algorithms.aggregate(entropy, mask, a.loss_agg_mode, **totals)
         info["entropy"] = float((entropy.detach() * mask).sum() / tokens)
-        return loss, info, old_logp, rerouted
+        return loss, info, old_logp, micro
 
     def _kl(self, logp: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         return algorithms.kl_penalty(logp, reference, self.kl, self.kl.settings_in(self.config.algorithm))
